@@ -1,0 +1,172 @@
+"""Descriptor math as numpy arrays (pure, no I/O): prepared lists per peer, index arrays per request.
+
+A *pair plan* is computed once per (local spec, remote spec) at handshake time: it fixes the
+granularity and the unit tables of both sides. Each side's prepared descriptor list holds every unit of
+every block, unit-major: descriptor `u * num_blocks + b` is unit u of block b. A request then needs only
+two index arrays. Pairs are issued unit-major and sorted by remote block id, so runs of consecutive
+blocks (consecutive on both sides) sit next to each other and merge into one descriptor; we count the
+merged descriptors exactly from the unit tables, the same rule NIXL applies when it merges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvconnect.errors import InvalidRequestError, LayoutError
+from kvconnect.layout import CacheSpec, Granularity, UnitTable, check_compatible, pair_granularity, unit_table
+
+
+def descriptor_array(table: UnitTable, num_blocks: int, base_addrs: Sequence[int], device_id: int) -> np.ndarray:
+    """Every unit of every block as an (U * num_blocks, 3) array of (addr, len, device id), unit-major."""
+    bases = np.asarray(base_addrs, dtype=np.int64)
+    if bases.shape[0] <= int(table.region.max()):
+        raise LayoutError(f"need {int(table.region.max()) + 1} base addresses, got {bases.shape[0]}")
+    starts = bases[table.region] + table.offset_bytes  # (U,)
+    blocks = np.arange(num_blocks, dtype=np.int64) * table.block_stride_bytes
+    addrs = (starts[:, None] + blocks[None, :]).reshape(-1)
+    out = np.empty((addrs.shape[0], 3), dtype=np.int64)
+    out[:, 0] = addrs
+    out[:, 1] = table.unit_bytes
+    out[:, 2] = device_id
+    return out
+
+
+def strided_descriptor_array(
+    table: UnitTable, num_blocks: int, base_addrs: Sequence[int], device_id: int
+) -> np.ndarray:
+    """The same list in NIXL's compressed Nx5 form: one row per unit, (addr, len, dev, stride, count)."""
+    bases = np.asarray(base_addrs, dtype=np.int64)
+    out = np.empty((table.num_units, 5), dtype=np.int64)
+    out[:, 0] = bases[table.region] + table.offset_bytes
+    out[:, 1] = table.unit_bytes
+    out[:, 2] = device_id
+    out[:, 3] = table.block_stride_bytes
+    out[:, 4] = num_blocks
+    return out
+
+
+def validate_block_ids(field: str, ids: Sequence[int] | np.ndarray, num_blocks: int) -> np.ndarray:
+    """Block ids as int64, or InvalidRequestError naming `field` (empty, out of range, duplicated)."""
+    try:
+        arr = np.asarray(ids)
+    except (TypeError, ValueError) as e:
+        raise InvalidRequestError(field, f"not a list of integers ({e})") from e
+    if arr.ndim != 1:
+        raise InvalidRequestError(field, f"must be a flat list, got shape {arr.shape}")
+    if arr.size == 0:
+        raise InvalidRequestError(field, "is empty")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidRequestError(field, f"must hold integers, got {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    bad = arr[(arr < 0) | (arr >= num_blocks)]
+    if bad.size:
+        raise InvalidRequestError(field, f"block ids {bad[:8].tolist()} outside [0, {num_blocks})")
+    uniq, counts = np.unique(arr, return_counts=True)
+    if uniq.size != arr.size:
+        raise InvalidRequestError(field, f"duplicated block ids {uniq[counts > 1][:8].tolist()}")
+    return arr
+
+
+@dataclass(frozen=True)
+class PullPlan:
+    """One request's READ: index arrays into both prepared lists, and what it will move."""
+
+    local_indices: np.ndarray  # int32, into the local prepared list
+    remote_indices: np.ndarray  # int32, into the remote prepared list
+    num_blocks: int
+    num_descs: int  # before run merging
+    num_descs_merged: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    """Everything about moving blocks between two specs that does not depend on the request."""
+
+    local_spec: CacheSpec
+    remote_spec: CacheSpec
+    granularity: Granularity
+    local_units: UnitTable
+    remote_units: UnitTable
+
+    @classmethod
+    def build(cls, local_spec: CacheSpec, remote_spec: CacheSpec) -> PairPlan:
+        check_compatible(local_spec, remote_spec)
+        gran = pair_granularity(local_spec, remote_spec)
+        return cls(local_spec, remote_spec, gran, unit_table(local_spec, gran), unit_table(remote_spec, gran))
+
+    @property
+    def unit_bytes(self) -> int:
+        return self.local_units.unit_bytes
+
+    def local_descs(self, base_addrs: Sequence[int], device_id: int) -> np.ndarray:
+        return descriptor_array(self.local_units, self.local_spec.num_blocks, base_addrs, device_id)
+
+    def remote_descs(self, base_addrs: Sequence[int], device_id: int) -> np.ndarray:
+        return descriptor_array(self.remote_units, self.remote_spec.num_blocks, base_addrs, device_id)
+
+    def plan(self, local_ids: Sequence[int] | np.ndarray, remote_ids: Sequence[int] | np.ndarray) -> PullPlan:
+        """Index arrays for pulling remote_ids[i] into local_ids[i]; raises InvalidRequestError."""
+        local = validate_block_ids("local_block_ids", local_ids, self.local_spec.num_blocks)
+        remote = validate_block_ids("remote_block_ids", remote_ids, self.remote_spec.num_blocks)
+        if local.size != remote.size:
+            raise InvalidRequestError(
+                "remote_block_ids", f"{remote.size} remote blocks for {local.size} local blocks"
+            )
+        order = np.argsort(remote, kind="stable")
+        local, remote = local[order], remote[order]
+        num_units = self.local_units.num_units
+        units = np.arange(num_units, dtype=np.int64)[:, None]
+        local_idx = (units * self.local_spec.num_blocks + local[None, :]).reshape(-1)
+        remote_idx = (units * self.remote_spec.num_blocks + remote[None, :]).reshape(-1)
+        return PullPlan(
+            local_indices=local_idx.astype(np.int32),
+            remote_indices=remote_idx.astype(np.int32),
+            num_blocks=int(local.size),
+            num_descs=int(local_idx.size),
+            num_descs_merged=_count_merged(self.local_units, self.remote_units, local, remote),
+            total_bytes=int(local_idx.size) * self.unit_bytes,
+        )
+
+
+def _unit_positions(table: UnitTable, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(region, byte offset inside the region) of every (unit, block) in issue order."""
+    region = np.repeat(table.region, ids.size)
+    offset = (table.offset_bytes[:, None] + ids[None, :] * table.block_stride_bytes).reshape(-1)
+    return region, offset
+
+
+def _count_merged(local_t: UnitTable, remote_t: UnitTable, local: np.ndarray, remote: np.ndarray) -> int:
+    """Descriptors left after merging neighbours that are adjacent, in order, on both sides."""
+    lr, lo = _unit_positions(local_t, local)
+    rr, ro = _unit_positions(remote_t, remote)
+    size = local_t.unit_bytes
+    joins = (lr[1:] == lr[:-1]) & (lo[1:] == lo[:-1] + size) & (rr[1:] == rr[:-1]) & (ro[1:] == ro[:-1] + size)
+    return int(lo.size - np.count_nonzero(joins))
+
+
+def merge_runs(dst: np.ndarray, src: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merge (N, 3) descriptor pairs, in order, where both sides continue the previous one.
+
+    Returns the merged (M, 3) arrays. Used by tests and the benchmark to show what a READ touches.
+    """
+    if dst.shape != src.shape:
+        raise ValueError("descriptor arrays differ in shape")
+    if dst.shape[0] == 0:
+        return dst.copy(), src.copy()
+    joins = (
+        (dst[1:, 0] == dst[:-1, 0] + dst[:-1, 1])
+        & (src[1:, 0] == src[:-1, 0] + src[:-1, 1])
+        & (dst[1:, 2] == dst[:-1, 2])
+        & (src[1:, 2] == src[:-1, 2])
+    )
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    lengths = np.add.reduceat(dst[:, 1], starts)
+    out_dst = dst[starts].copy()
+    out_src = src[starts].copy()
+    out_dst[:, 1] = lengths
+    out_src[:, 1] = lengths
+    return out_dst, out_src

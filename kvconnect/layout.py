@@ -1,0 +1,226 @@
+"""Paged KV-cache layouts: the typed spec, its byte math, and the compatibility check (pure, no I/O).
+
+A worker's cache is a set of registered *regions* (one per layer for `blocks_first` and `kv_first`, a
+single one for `cross_layer`). Inside a region every block sits at `block_stride_bytes` from the next.
+The unit of transfer is a *granularity*: the whole block across all layers (`BLOCK`), the K+V of one
+layer (`LAYER`), or one K or V half of one layer (`HALF`). Each layout is contiguous at its own natural
+granularity and at every finer one, so two peers move data at the finer of their two natural ones.
+Descriptor arrays and per-request plans built on this live in `descriptors.py`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from kvconnect.errors import LayoutError, LayoutMismatchError
+
+
+class LayoutKind(str, enum.Enum):
+    BLOCKS_FIRST = "blocks_first"  # per layer (num_blocks, 2, block_size, H, D)
+    KV_FIRST = "kv_first"  # per layer (2, num_blocks, block_size, H, D)
+    CROSS_LAYER = "cross_layer"  # one tensor (num_blocks, num_layers, 2, block_size, H, D)
+
+
+class Granularity(enum.IntEnum):
+    """Transfer unit; a larger value is finer."""
+
+    BLOCK = 0  # one block, every layer, K and V: one contiguous span in cross_layer
+    LAYER = 1  # one block of one layer, K and V together
+    HALF = 2  # one block of one layer, K or V alone
+
+
+NATURAL_GRANULARITY = {
+    LayoutKind.CROSS_LAYER: Granularity.BLOCK,
+    LayoutKind.BLOCKS_FIRST: Granularity.LAYER,
+    LayoutKind.KV_FIRST: Granularity.HALF,
+}
+
+DTYPE_BYTES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+DEVICE_KINDS = ("cpu", "cuda")
+
+# Fields two peers must agree on, in the order a mismatch is reported.
+_MUST_MATCH = ("dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "token_layout", "tp_size")
+
+
+class CacheSpec(msgspec.Struct, frozen=True):
+    """What a worker's paged KV cache looks like; travels in the handshake.
+
+    Add new fields at the end with defaults; never reorder or retype (rolling upgrades).
+    """
+
+    kind: LayoutKind
+    dtype: str
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    device: str = "cpu"
+    tp_size: int = 1
+    tp_rank: int = 0
+    token_layout: str = "NHD"
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.dtype not in DTYPE_BYTES:
+            problems.append(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        for name in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "tp_size"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                problems.append(f"{name} must be a positive integer, got {value!r}")
+        if self.device not in DEVICE_KINDS:
+            problems.append(f"device must be one of {DEVICE_KINDS}, got {self.device!r}")
+        if type(self.tp_rank) is not int or not 0 <= self.tp_rank < max(int(self.tp_size), 1):
+            problems.append(f"tp_rank must lie in [0, tp_size), got {self.tp_rank!r}")
+        if self.token_layout != "NHD":
+            problems.append(f"token_layout {self.token_layout!r} is not supported (only NHD)")
+        if problems:
+            raise LayoutError("invalid cache spec: " + "; ".join(problems))
+
+    # --- byte math ---------------------------------------------------------------------------------
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def half_bytes(self) -> int:
+        """One K (or V) block of one layer."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def layer_block_bytes(self) -> int:
+        """K and V of one block of one layer."""
+        return 2 * self.half_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        """K and V of one block across all layers: what a request moves per block."""
+        return self.num_layers * self.layer_block_bytes
+
+    @property
+    def num_regions(self) -> int:
+        return 1 if self.kind is LayoutKind.CROSS_LAYER else self.num_layers
+
+    @property
+    def region_bytes(self) -> int:
+        if self.kind is LayoutKind.CROSS_LAYER:
+            return self.num_blocks * self.block_bytes
+        return self.num_blocks * self.layer_block_bytes
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.num_regions * self.region_bytes
+
+    @property
+    def block_stride_bytes(self) -> int:
+        """Distance between block b and block b+1 inside one region."""
+        return {
+            LayoutKind.BLOCKS_FIRST: self.layer_block_bytes,
+            LayoutKind.KV_FIRST: self.half_bytes,
+            LayoutKind.CROSS_LAYER: self.block_bytes,
+        }[self.kind]
+
+    @property
+    def natural_granularity(self) -> Granularity:
+        return NATURAL_GRANULARITY[self.kind]
+
+    def region_shape(self) -> tuple[int, ...]:
+        """Shape of one registered tensor."""
+        tail = (self.block_size, self.num_kv_heads, self.head_dim)
+        if self.kind is LayoutKind.BLOCKS_FIRST:
+            return (self.num_blocks, 2, *tail)
+        if self.kind is LayoutKind.KV_FIRST:
+            return (2, self.num_blocks, *tail)
+        return (self.num_blocks, self.num_layers, 2, *tail)
+
+    def region_strides(self) -> tuple[int, ...]:
+        """Contiguous (row-major) element strides of one registered tensor."""
+        shape = self.region_shape()
+        strides = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * shape[i + 1]
+        return tuple(strides)
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+@dataclass(frozen=True)
+class UnitTable:
+    """Where each transfer unit of a block lies: unit u of block b starts at
+    `base_addrs[region[u]] + offset_bytes[u] + b * block_stride_bytes` and spans `unit_bytes`."""
+
+    granularity: Granularity
+    region: np.ndarray  # (U,) int64
+    offset_bytes: np.ndarray  # (U,) int64
+    unit_bytes: int
+    block_stride_bytes: int
+
+    @property
+    def num_units(self) -> int:
+        return int(self.region.shape[0])
+
+
+def unit_table(spec: CacheSpec, granularity: Granularity) -> UnitTable:
+    """The unit table of `spec` at `granularity`; unit u means the same (layer, K/V) on every layout."""
+    if granularity < spec.natural_granularity:
+        raise LayoutError(
+            f"{spec.kind.value} is not contiguous at {granularity.name} granularity "
+            f"(its coarsest is {spec.natural_granularity.name})"
+        )
+    num_layers, half = spec.num_layers, spec.half_bytes
+    layers = np.arange(num_layers, dtype=np.int64)
+    if granularity is Granularity.BLOCK:
+        return UnitTable(granularity, np.zeros(1, np.int64), np.zeros(1, np.int64), spec.block_bytes,
+                         spec.block_stride_bytes)
+    if granularity is Granularity.LAYER:
+        if spec.kind is LayoutKind.CROSS_LAYER:
+            region, offset = np.zeros(num_layers, np.int64), layers * 2 * half
+        else:  # blocks_first
+            region, offset = layers, np.zeros(num_layers, np.int64)
+        return UnitTable(granularity, region, offset, 2 * half, spec.block_stride_bytes)
+    # HALF: unit u = 2 * layer + kv
+    kv = np.tile(np.arange(2, dtype=np.int64), num_layers)
+    layer_of_unit = np.repeat(layers, 2)
+    if spec.kind is LayoutKind.CROSS_LAYER:
+        region, offset = np.zeros(2 * num_layers, np.int64), (2 * layer_of_unit + kv) * half
+    elif spec.kind is LayoutKind.BLOCKS_FIRST:
+        region, offset = layer_of_unit, kv * half
+    else:  # kv_first
+        region, offset = layer_of_unit, kv * spec.num_blocks * half
+    return UnitTable(granularity, region, offset, half, spec.block_stride_bytes)
+
+
+def pair_granularity(local: CacheSpec, remote: CacheSpec) -> Granularity:
+    """The coarsest unit both layouts hold contiguously."""
+    return max(local.natural_granularity, remote.natural_granularity)
+
+
+def check_compatible(local: CacheSpec, remote: CacheSpec) -> None:
+    """Raise LayoutMismatchError naming every field that prevents a block-for-block pull."""
+    mismatched = {
+        name: (getattr(local, name), getattr(remote, name))
+        for name in _MUST_MATCH
+        if getattr(local, name) != getattr(remote, name)
+    }
+    if mismatched:
+        reasons = []
+        if "tp_size" in mismatched:
+            reasons.append("heterogeneous tensor parallelism is not supported")
+        if "block_size" in mismatched:
+            reasons.append("block-size conversion is not supported")
+        raise LayoutMismatchError(mismatched, "; ".join(reasons))
