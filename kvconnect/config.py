@@ -1,0 +1,73 @@
+"""Typed settings; the only place `KVCONNECT_*` environment variables are read.
+
+Every field of `ConnectorConfig` can be set from `KVCONNECT_<FIELD>` (upper case), and the CLI uses the
+same names for its flags, so a container, a Kubernetes manifest and a shell read alike.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Mapping
+
+import msgspec
+
+from kvconnect.errors import ConfigError
+
+ENV_PREFIX = "KVCONNECT_"
+
+
+class ConnectorConfig(msgspec.Struct, kw_only=True):
+    engine_id: str = ""  # stable name of this worker; generated when empty
+    side_channel_host: str = "127.0.0.1"  # bind address of the ZMQ side channel
+    side_channel_port: int = 0  # 0 = pick a free port
+    advertise_host: str = ""  # what peers should dial; defaults to side_channel_host
+    secret: str = ""  # shared secret for the side channel; empty = no authentication
+    lease_ttl_s: float = 60.0  # a lease nobody reads is freed after this
+    handshake_timeout_s: float = 5.0
+    pull_timeout_s: float = 30.0  # deadline of one READ, posting to completion
+    confirm_reads: bool = True  # ask the prefill side whether the lease held during the read
+    nixl_threads: int = 0  # UCX worker threads per agent (0 = backend default)
+    telemetry: bool = False  # NIXL per-transfer telemetry (issued descriptor counts)
+    failure_policy: str = "fail"  # "fail" or "recompute" when a pull fails
+    poll_interval_s: float = 0.001  # I/O loop tick: notifications, deadlines, lease expiry
+
+    def __post_init__(self) -> None:
+        if not self.engine_id:
+            self.engine_id = f"kvc-{uuid.uuid4().hex[:12]}"
+        if not self.advertise_host:
+            self.advertise_host = self.side_channel_host
+        if not 0 <= self.side_channel_port < 65536:
+            raise ConfigError(f"side_channel_port {self.side_channel_port} is not a TCP port")
+        for name in ("lease_ttl_s", "handshake_timeout_s", "pull_timeout_s", "poll_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.failure_policy not in ("fail", "recompute"):
+            raise ConfigError(f"failure_policy must be 'fail' or 'recompute', got {self.failure_policy!r}")
+
+    @property
+    def secret_bytes(self) -> bytes:
+        return self.secret.encode()
+
+
+def env_overrides(environ: Mapping[str, str] | None = None, fields: tuple[str, ...] | None = None) -> dict[str, str]:
+    """`KVCONNECT_*` variables as {field: raw string}, limited to `fields` when given."""
+    env = os.environ if environ is None else environ
+    out = {}
+    for key, value in env.items():
+        if key.startswith(ENV_PREFIX):
+            name = key[len(ENV_PREFIX):].lower()
+            if fields is None or name in fields:
+                out[name] = value
+    return out
+
+
+def connector_config(environ: Mapping[str, str] | None = None, **overrides: object) -> ConnectorConfig:
+    """Defaults, then KVCONNECT_* variables, then explicit overrides (CLI flags)."""
+    fields = ConnectorConfig.__struct_fields__
+    raw: dict[str, object] = dict(env_overrides(environ, fields))
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return msgspec.convert(raw, ConnectorConfig, strict=False)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"invalid kvconnect setting: {e}") from e

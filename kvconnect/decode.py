@@ -1,0 +1,364 @@
+"""Decode side of a connector: peers learned by handshake, and pulls driven to completion.
+
+Runs on the connector's loop thread (except `pull`, which only validates and enqueues). A peer is
+cached per remote engine id together with its incarnation, remote NIXL agent and prepared descriptor
+lists; a pull naming another incarnation, or a disconnect, drops the stale peer and handshakes again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import zmq
+
+from kvconnect import protocol as p
+from kvconnect.agent import MemKind, PreppedList, XferState
+from kvconnect.descriptors import PairPlan, strided_descriptor_array, validate_block_ids
+from kvconnect.errors import (
+    HandshakeError,
+    HandshakeTimeoutError,
+    InvalidRequestError,
+    KVConnectError,
+    LeaseLostError,
+    PeerGoneError,
+    TransferError,
+    TransferTimeoutError,
+)
+from kvconnect.handshake import PeerChannel
+from kvconnect.layout import Granularity
+from kvconnect.transfer import Pull, PullHandle, PullPhase
+
+if TYPE_CHECKING:
+    from kvconnect.connector import KVConnector
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Peer:
+    engine_id: str
+    host: str
+    port: int
+    channel: PeerChannel
+    hello_sent_s: float = 0.0
+    info: p.PeerInfo | None = None
+    agent_name: str = ""
+    pair: PairPlan | None = None
+    remote_list: PreppedList | None = None
+    waiting: list[Pull] = field(default_factory=list)
+    confirming: dict[str, Pull] = field(default_factory=dict)
+
+    @property
+    def ready(self) -> bool:
+        return self.remote_list is not None
+
+
+class DecodeSide:
+    def __init__(self, conn: KVConnector, ctx: zmq.Context, secret: bytes) -> None:
+        self._conn = conn
+        self._ctx = ctx
+        self._secret = secret
+        self._peers: dict[str, Peer] = {}
+        self._local_lists: dict[Granularity, PreppedList] = {}
+        self._posted: list[Pull] = []
+
+    # --- any thread --------------------------------------------------------------------------------
+
+    def pull(self, params: p.KVTransferParams, local_block_ids: Sequence[int], request_id: str | None) -> PullHandle:
+        conn = self._conn
+        if not params.do_remote_prefill:
+            raise InvalidRequestError("kv_transfer_params.do_remote_prefill", "must be true to pull")
+        for name in ("remote_engine_id", "remote_host", "remote_port", "remote_request_id", "remote_block_ids"):
+            if getattr(params, name) is None:
+                raise InvalidRequestError(f"kv_transfer_params.{name}", "required when do_remote_prefill is true")
+        local = validate_block_ids("local_block_ids", local_block_ids, conn.spec.num_blocks)
+        remote = validate_block_ids("kv_transfer_params.remote_block_ids", params.remote_block_ids or [], 2**62)
+        if local.size != remote.size:
+            raise InvalidRequestError(
+                "kv_transfer_params.remote_block_ids",
+                f"{remote.size} remote blocks for {local.size} local blocks",
+            )
+        if params.tp_size != conn.spec.tp_size:
+            raise InvalidRequestError(
+                "kv_transfer_params.tp_size",
+                f"remote tp_size {params.tp_size} != local {conn.spec.tp_size}; heterogeneous TP is not supported",
+            )
+        assert params.remote_engine_id and params.remote_host and params.remote_port and params.remote_request_id
+        handle = PullHandle(request_id or params.remote_request_id, params.remote_engine_id)
+        now = time.monotonic()
+        pull = Pull(
+            handle=handle,
+            remote_engine_id=params.remote_engine_id,
+            remote_host=params.remote_host,
+            remote_port=params.remote_port,
+            remote_request_id=params.remote_request_id,
+            remote_block_ids=remote.tolist(),
+            local_block_ids=local.tolist(),
+            expected_incarnation=params.remote_incarnation_id,
+            requested_s=now,
+            deadline_s=now + conn.config.pull_timeout_s,
+        )
+        conn._call(lambda: self._start(pull))
+        return handle
+
+    # --- loop thread -------------------------------------------------------------------------------
+
+    def busy(self) -> bool:
+        return bool(self._posted)
+
+    def _start(self, pull: Pull) -> None:
+        peer = self._peers.get(pull.remote_engine_id)
+        if peer is not None and (peer.host, peer.port) != (pull.remote_host, pull.remote_port):
+            self._drop_peer(peer, "side channel address changed")
+            peer = None
+        if peer is not None and peer.ready and pull.expected_incarnation not in (None, peer.info.incarnation_id):
+            self._drop_peer(peer, f"pull names incarnation {pull.expected_incarnation[:12]}")
+            peer = None
+        if peer is None:
+            peer = Peer(pull.remote_engine_id, pull.remote_host, pull.remote_port,
+                        PeerChannel(self._ctx, pull.remote_host, pull.remote_port, self._secret))
+            self._peers[peer.engine_id] = peer
+        if peer.ready:
+            self._post(peer, pull)
+            return
+        peer.waiting.append(pull)
+        if not peer.hello_sent_s:
+            peer.hello_sent_s = time.monotonic()
+            peer.channel.send(p.Hello(p.PROTOCOL_VERSION, self._conn.engine_id))
+
+    def _peer_ready(self, peer: Peer, info: p.PeerInfo) -> None:
+        conn = self._conn
+        t0 = time.monotonic()
+        try:
+            if info.engine_id != peer.engine_id:
+                raise HandshakeError(f"peer at {peer.host}:{peer.port} is engine {info.engine_id!r}, "
+                                     f"not {peer.engine_id!r}")
+            pair = PairPlan.build(conn.spec, info.spec)
+            peer.agent_name = conn.agent.add_remote(info.agent_metadata)
+            remote_mem = MemKind.for_device(info.spec.device)
+            peer.remote_list = conn.agent.prep(
+                peer.agent_name,
+                strided_descriptor_array(pair.remote_units, info.spec.num_blocks, info.base_addrs, info.device_id),
+                remote_mem,
+            )
+            if pair.granularity not in self._local_lists:
+                self._local_lists[pair.granularity] = conn.agent.prep(
+                    "",
+                    strided_descriptor_array(pair.local_units, conn.spec.num_blocks, conn.cache.base_addrs(),
+                                             conn.cache.device_id),
+                    conn.mem,
+                )
+            peer.pair, peer.info = pair, info
+        except KVConnectError as e:
+            conn.counters.handshake_failures += 1
+            self._fail_peer(peer, e)
+            return
+        conn.counters.handshakes += 1
+        handshake_s = time.monotonic() - peer.hello_sent_s
+        log.info("peer %s ready: incarnation %s, %s<-%s at %s granularity, handshake %.1f ms (setup %.1f ms)",
+                 peer.engine_id, info.incarnation_id[:12], conn.spec.kind.value, info.spec.kind.value,
+                 pair.granularity.name, handshake_s * 1e3, (time.monotonic() - t0) * 1e3)
+        waiting, peer.waiting = peer.waiting, []
+        for pull in waiting:
+            pull.handle.stats.handshake_s = handshake_s
+            if pull.expected_incarnation not in (None, info.incarnation_id):
+                self._fail(pull, LeaseLostError(
+                    f"prefill engine {peer.engine_id} restarted (lease was granted by incarnation "
+                    f"{pull.expected_incarnation[:12]}, peer is now {info.incarnation_id[:12]})"))
+            else:
+                self._post(peer, pull)
+
+    def _post(self, peer: Peer, pull: Pull) -> None:
+        conn = self._conn
+        assert peer.pair is not None and peer.remote_list is not None and peer.info is not None
+        t0 = time.monotonic()
+        try:
+            plan = peer.pair.plan(pull.local_block_ids, pull.remote_block_ids)
+        except InvalidRequestError as e:
+            self._fail(pull, e)
+            return
+        pull.plan, pull.incarnation_id = plan, peer.info.incarnation_id
+        stats = pull.handle.stats
+        stats.num_blocks, stats.bytes = plan.num_blocks, plan.total_bytes
+        stats.num_descs, stats.num_descs_merged = plan.num_descs, plan.num_descs_merged
+        stats.granularity = peer.pair.granularity.name
+        notif = p.encode_notif(pull.remote_request_id, peer.info.incarnation_id)
+        try:
+            pull.xfer = conn.agent.read(self._local_lists[peer.pair.granularity], plan.local_indices,
+                                        peer.remote_list, plan.remote_indices, notif)
+            state = conn.agent.post(pull.xfer)
+        except KVConnectError as e:
+            if isinstance(e, PeerGoneError):
+                self._drop_peer(peer, str(e))
+            self._fail(pull, e)
+            return
+        pull.posted_s = time.monotonic()
+        stats.post_s = pull.posted_s - t0
+        pull.phase = PullPhase.POSTED
+        self._posted.append(pull)
+        self._check(pull, state)
+
+    def _check(self, pull: Pull, state: XferState) -> None:
+        if state is XferState.PROC:
+            return
+        self._posted.remove(pull)
+        if state is XferState.ERR:
+            self._fail(pull, TransferError(f"pull {pull.handle.request_id}: NIXL reported ERR"))
+            return
+        now = time.monotonic()
+        pull.read_done_s = now
+        pull.handle.stats.transfer_s = now - pull.posted_s
+        if pull.xfer is not None and self._conn.config.telemetry:
+            issued = self._conn.agent.telemetry_descs(pull.xfer)
+            if issued is not None:
+                pull.extra["issued_descs"] = issued
+        self._release_xfer(pull)
+        if not self._conn.config.confirm_reads:
+            self._succeed(pull)
+            return
+        peer = self._peers.get(pull.remote_engine_id)
+        if peer is None:
+            self._fail(pull, PeerGoneError(f"engine {pull.remote_engine_id} dropped before confirmation"))
+            return
+        pull.phase = PullPhase.CONFIRMING
+        peer.confirming[pull.remote_request_id] = pull
+        peer.channel.send(p.LeaseRequest(p.PROTOCOL_VERSION, self._conn.engine_id, pull.remote_request_id,
+                                         p.LeaseAction.CONFIRM))
+
+    def progress(self) -> None:
+        """One loop tick: replies, READ states, cancellations and deadlines."""
+        now = time.monotonic()
+        for peer in list(self._peers.values()):
+            for ref, reply in peer.channel.receive():
+                self._on_reply(peer, ref, reply)
+        for pull in list(self._posted):
+            if pull.handle.cancel_requested or now >= pull.deadline_s:
+                self._posted.remove(pull)
+                self._abandon(pull, now)
+                continue
+            assert pull.xfer is not None
+            try:
+                state = self._conn.agent.state(pull.xfer)
+            except KVConnectError as e:
+                self._posted.remove(pull)
+                self._release_xfer(pull)
+                if isinstance(e, PeerGoneError) and pull.remote_engine_id in self._peers:
+                    self._drop_peer(self._peers[pull.remote_engine_id], str(e))
+                self._fail(pull, e)
+                continue
+            self._check(pull, state)
+        for peer in list(self._peers.values()):
+            if not peer.ready and peer.waiting and now - peer.hello_sent_s >= self._conn.config.handshake_timeout_s:
+                self._conn.counters.handshake_failures += 1
+                self._fail_peer(peer, HandshakeTimeoutError(
+                    f"engine {peer.engine_id} at {peer.host}:{peer.port}: no handshake answer within "
+                    f"{self._conn.config.handshake_timeout_s:.3g}s"))
+            for rid, pull in list(peer.confirming.items()):
+                if pull.handle.cancel_requested or now >= pull.deadline_s:
+                    del peer.confirming[rid]
+                    peer.channel.forget(f"lease:{rid}")
+                    self._fail(pull, TransferTimeoutError(f"pull {pull.handle.request_id}: lease not confirmed "
+                                                          "before the deadline; data discarded"))
+
+    def _on_reply(self, peer: Peer, ref: str, reply: p.PeerInfo | p.LeaseReply | HandshakeError) -> None:
+        if ref == "hello" or (isinstance(reply, HandshakeError) and not ref):
+            if isinstance(reply, p.PeerInfo):
+                self._peer_ready(peer, reply)
+            elif isinstance(reply, HandshakeError) and not peer.ready:
+                self._conn.counters.handshake_failures += 1
+                self._fail_peer(peer, reply)
+            return
+        pull = peer.confirming.pop(ref.removeprefix("lease:"), None)
+        if pull is None:
+            return
+        if isinstance(reply, HandshakeError):
+            self._fail(pull, reply)
+        elif isinstance(reply, p.LeaseReply) and reply.state is p.LeaseState.COMPLETED:
+            pull.handle.stats.confirm_s = time.monotonic() - pull.read_done_s
+            self._succeed(pull)
+        else:
+            state = reply.state.value if isinstance(reply, p.LeaseReply) else "?"
+            self._fail(pull, LeaseLostError(f"pull {pull.handle.request_id}: prefill lease was {state} "
+                                            "when the read finished; data discarded"))
+
+    def _abandon(self, pull: Pull, now: float) -> None:
+        self._release_xfer(pull)
+        self.send_release_for(pull)
+        if pull.handle.cancel_requested:
+            self._fail(pull, TransferError(f"pull {pull.handle.request_id} cancelled"))
+        else:
+            self._fail(pull, TransferTimeoutError(
+                f"pull {pull.handle.request_id} from {pull.remote_engine_id} not complete after "
+                f"{now - pull.requested_s:.3g}s; handle released"))
+
+    def send_release_for(self, pull: Pull) -> None:
+        peer = self._peers.get(pull.remote_engine_id)
+        if peer is not None:
+            peer.channel.send(p.LeaseRequest(p.PROTOCOL_VERSION, self._conn.engine_id, pull.remote_request_id,
+                                             p.LeaseAction.RELEASE))
+
+    def send_release(self, params: p.KVTransferParams) -> None:
+        if not (params.remote_engine_id and params.remote_host and params.remote_port and params.remote_request_id):
+            return
+        peer = self._peers.get(params.remote_engine_id)
+        if peer is None:
+            peer = Peer(params.remote_engine_id, params.remote_host, params.remote_port,
+                        PeerChannel(self._ctx, params.remote_host, params.remote_port, self._secret))
+            self._peers[peer.engine_id] = peer
+        peer.channel.send(p.LeaseRequest(p.PROTOCOL_VERSION, self._conn.engine_id, params.remote_request_id,
+                                         p.LeaseAction.RELEASE))
+
+    def _release_xfer(self, pull: Pull) -> None:
+        if pull.xfer is not None:
+            self._conn.agent.release(pull.xfer)
+            pull.xfer = None
+
+    def _succeed(self, pull: Pull) -> None:
+        conn = self._conn
+        conn.counters.pulls_ok += 1
+        conn.counters.bytes_pulled += pull.handle.stats.bytes
+        conn.counters.descs_posted += pull.handle.stats.num_descs_merged
+        pull.finish(None)
+        if conn.on_pull_done:
+            conn.on_pull_done(pull.handle.stats, None)
+
+    def _fail(self, pull: Pull, error: KVConnectError) -> None:
+        conn = self._conn
+        conn.counters.failed(error)
+        log.warning("pull %s from %s failed: %s", pull.handle.request_id, pull.remote_engine_id, error)
+        pull.finish(error)
+        if conn.on_pull_done:
+            conn.on_pull_done(pull.handle.stats, error)
+
+    def _fail_peer(self, peer: Peer, error: KVConnectError) -> None:
+        waiting, peer.waiting = peer.waiting, []
+        self._drop_peer(peer, str(error))
+        for pull in waiting:
+            self._fail(pull, error)
+
+    def _drop_peer(self, peer: Peer, why: str) -> None:
+        """Forget a peer: its remote agent, prepared lists and channel. In-flight pulls fail."""
+        log.info("dropping peer %s: %s", peer.engine_id, why)
+        self._peers.pop(peer.engine_id, None)
+        for pull in [x for x in self._posted if x.remote_engine_id == peer.engine_id]:
+            self._posted.remove(pull)
+            self._release_xfer(pull)
+            self._fail(pull, PeerGoneError(f"engine {peer.engine_id} dropped: {why}"))
+        for pull in peer.confirming.values():
+            self._fail(pull, PeerGoneError(f"engine {peer.engine_id} dropped before confirmation: {why}"))
+        peer.confirming.clear()
+        if peer.agent_name:
+            self._conn.agent.remove_remote(peer.agent_name)
+        peer.channel.close()
+
+    def close(self) -> None:
+        for peer in list(self._peers.values()):
+            self._fail_peer(peer, PeerGoneError("connector closed"))
+        for pull in list(self._posted):
+            self._posted.remove(pull)
+            self._release_xfer(pull)
+            self._fail(pull, TransferError("connector closed"))

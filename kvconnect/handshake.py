@@ -1,0 +1,236 @@
+"""ZMQ side channel: the server a prefill worker answers on, and the client a decode worker asks with.
+
+The server is a ROUTER socket driven by its owner's loop (`poll`), never a thread of its own, so the
+handler may touch NIXL safely. Every message is checked before it is believed: size cap (ZMQ drops
+oversized frames), msgpack schema, protocol version, and when a secret is set an HMAC with a fresh
+nonce and a timestamp window (replays are refused). Bad input is answered with a named `ErrorReply` or
+dropped; the server keeps serving. The client opens a short-lived DEALER socket per request, so a dead
+or hung peer costs exactly its deadline and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from kvconnect import protocol as p
+from kvconnect.errors import AuthError, HandshakeError, HandshakeTimeoutError, ProtocolError
+
+log = logging.getLogger(__name__)
+
+CLOCK_SKEW_S = 120.0
+_NONCE_CACHE = 65536
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def zmq_address(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+class SideChannelServer:
+    """ROUTER socket answering `Hello` and `LeaseRequest` through a handler callback."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        host: str,
+        port: int,
+        handler: Callable[[p.Request], p.Reply],
+        secret: bytes = b"",
+    ) -> None:
+        self._handler = handler
+        self._secret = secret
+        self._seen: OrderedDict[bytes, None] = OrderedDict()
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if ":" in host:
+            self.sock.setsockopt(zmq.IPV6, 1)
+        if port == 0:
+            self.port = self.sock.bind_to_random_port(zmq_address(host, 0).rsplit(":", 1)[0])
+        else:
+            self.sock.bind(zmq_address(host, port))
+            self.port = port
+        self.num_refused = 0
+
+    def poll(self, timeout_ms: int) -> int:
+        """Serve every message that arrives within `timeout_ms`; returns how many were handled."""
+        handled = 0
+        if not self.sock.poll(timeout_ms):
+            return 0
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return handled
+            handled += 1
+            if len(frames) < 2:
+                continue  # not from a DEALER/REQ peer; nothing to answer
+            ident, payload = frames[0], frames[-1]
+            envelope = frames[1:-1]
+            reply = self._answer(payload)
+            try:
+                self.sock.send_multipart([ident, *envelope, p.encode(reply)], zmq.NOBLOCK)
+            except zmq.ZMQError as e:  # the peer left, or its queue is full: drop
+                log.debug("side channel: reply dropped: %s", e)
+
+    def _answer(self, payload: bytes) -> p.Reply:
+        try:
+            msg = p.decode_request(payload)
+        except ProtocolError as e:
+            self.num_refused += 1
+            code = p.ErrorCode.VERSION if "protocol version" in str(e) else p.ErrorCode.BAD_MESSAGE
+            return p.ErrorReply(code, str(e)[:500])
+        if self._secret:
+            problem = self._auth_problem(msg)
+            if problem:
+                self.num_refused += 1
+                log.warning("side channel: refused %s from engine %r: %s", type(msg).__name__, msg.engine_id, problem)
+                return p.ErrorReply(p.ErrorCode.AUTH, problem, ref=p.ref_of(msg))
+        try:
+            reply = self._handler(msg)
+        except Exception as e:  # a handler bug must not kill the loop
+            log.exception("side channel handler failed")
+            return p.ErrorReply(p.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"[:500], ref=p.ref_of(msg))
+        if self._secret and not isinstance(reply, p.ErrorReply):
+            reply = p.sign_reply(self._secret, msg.nonce, reply)
+        return reply
+
+    def _auth_problem(self, msg: p.Hello | p.LeaseRequest) -> str:
+        if not msg.mac:
+            return "authentication required"
+        if len(msg.nonce) < 16:
+            return "nonce too short"
+        if abs(now_ms() - msg.ts_ms) > CLOCK_SKEW_S * 1000:
+            return "timestamp outside the accepted window"
+        if not p.request_mac_ok(self._secret, msg):
+            return "bad MAC (wrong secret?)"
+        if msg.nonce in self._seen:
+            return "replayed nonce"
+        self._seen[msg.nonce] = None
+        if len(self._seen) > _NONCE_CACHE:
+            self._seen.popitem(last=False)
+        return ""
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def request(
+    ctx: zmq.Context,
+    host: str,
+    port: int,
+    msg: p.Hello | p.LeaseRequest,
+    timeout_s: float,
+    secret: bytes = b"",
+) -> p.PeerInfo | p.LeaseReply:
+    """Send one request and wait for its reply; raises HandshakeError and subclasses."""
+    if secret:
+        msg = p.sign_request(secret, msgspec.structs.replace(msg, nonce=os.urandom(16), ts_ms=now_ms()))
+    addr = zmq_address(host, port)
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        if ":" in host:
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(addr)
+        deadline = time.monotonic() + timeout_s
+        sent = False
+        while not sent:
+            try:
+                sock.send_multipart([b"", p.encode(msg)], zmq.NOBLOCK)
+                sent = True
+            except zmq.Again:  # IMMEDIATE: no connection yet
+                if time.monotonic() >= deadline:
+                    raise HandshakeTimeoutError(f"side channel {addr}: no connection within {timeout_s:.3g}s")
+                sock.poll(10, zmq.POLLOUT)
+        remaining_ms = max(int((deadline - time.monotonic()) * 1000), 1)
+        if not sock.poll(remaining_ms):
+            raise HandshakeTimeoutError(f"side channel {addr}: no answer within {timeout_s:.3g}s")
+        frames = sock.recv_multipart()
+    except zmq.ZMQError as e:
+        raise HandshakeError(f"side channel {addr}: {e}") from e
+    finally:
+        sock.close(linger=0)
+    try:
+        reply = p.decode_reply(frames[-1])
+    except ProtocolError as e:
+        raise HandshakeError(f"side channel {addr}: {e}") from e
+    if isinstance(reply, p.ErrorReply):
+        err = AuthError if reply.code is p.ErrorCode.AUTH else HandshakeError
+        raise err(f"side channel {addr} refused: {reply.code.value}: {reply.message}")
+    if secret and not p.reply_mac_ok(secret, msg.nonce, reply):
+        raise AuthError(f"side channel {addr}: reply not signed with our secret")
+    return reply
+
+
+class PeerChannel:
+    """A long-lived DEALER to one peer's side channel, for the owner's non-blocking loop.
+
+    `send` queues a request (ZMQ delivers it once connected); `receive` returns (ref, reply or error)
+    for every answer that has arrived, MAC-checked against the nonce its request carried.
+    """
+
+    def __init__(self, ctx: zmq.Context, host: str, port: int, secret: bytes = b"") -> None:
+        self.addr = zmq_address(host, port)
+        self._secret = secret
+        self._nonces: dict[str, bytes] = {}
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
+        if ":" in host:
+            self.sock.setsockopt(zmq.IPV6, 1)
+        self.sock.connect(self.addr)
+
+    def send(self, msg: p.Hello | p.LeaseRequest) -> None:
+        if self._secret:
+            msg = p.sign_request(self._secret, msgspec.structs.replace(msg, nonce=os.urandom(16), ts_ms=now_ms()))
+        self._nonces[p.ref_of(msg)] = msg.nonce
+        try:
+            self.sock.send_multipart([b"", p.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            raise HandshakeError(f"side channel {self.addr}: {e}") from e
+
+    def receive(self) -> list[tuple[str, p.PeerInfo | p.LeaseReply | HandshakeError]]:
+        out: list[tuple[str, p.PeerInfo | p.LeaseReply | HandshakeError]] = []
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            try:
+                reply = p.decode_reply(frames[-1])
+            except ProtocolError as e:
+                out.append(("", HandshakeError(f"side channel {self.addr}: {e}")))
+                continue
+            if isinstance(reply, p.ErrorReply):
+                err = AuthError if reply.code is p.ErrorCode.AUTH else HandshakeError
+                self._nonces.pop(reply.ref, None)
+                out.append((reply.ref, err(f"side channel {self.addr} refused: {reply.code.value}: {reply.message}")))
+                continue
+            ref = p.ref_of(reply)
+            nonce = self._nonces.pop(ref, None)
+            if nonce is None:
+                continue  # unsolicited or duplicate: ignore
+            if self._secret and not p.reply_mac_ok(self._secret, nonce, reply):
+                out.append((ref, AuthError(f"side channel {self.addr}: reply not signed with our secret")))
+                continue
+            out.append((ref, reply))
+
+    def forget(self, ref: str) -> None:
+        self._nonces.pop(ref, None)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)

@@ -1,0 +1,123 @@
+"""Prefill-side lease table (sans-I/O, injected clock).
+
+A finished prefill request's blocks are *leased* to the decode worker that will read them. The lease
+ends exactly once: COMPLETED (the reader's notification or confirmation arrived while it was held),
+RELEASED (explicitly given back), or EXPIRED (its TTL ran out). Each end hands the blocks back through
+`on_free`. Ended leases are remembered for a while as tombstones, so a late confirmation learns whether
+the data it read was still reserved at the time: only COMPLETED means yes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kvconnect.errors import LeaseError
+from kvconnect.protocol import LeaseState
+
+
+@dataclass
+class Lease:
+    request_id: str
+    block_ids: tuple[int, ...]
+    granted_s: float
+    expires_s: float
+    state: LeaseState = LeaseState.HELD
+    ended_s: float = 0.0
+
+
+class LeaseTable:
+    def __init__(
+        self,
+        ttl_s: float,
+        clock: Callable[[], float],
+        on_free: Callable[[list[int]], None],
+        tombstone_s: float | None = None,
+    ) -> None:
+        if ttl_s <= 0:
+            raise LeaseError(f"lease ttl must be positive, got {ttl_s}")
+        self.ttl_s = ttl_s
+        self.tombstone_s = tombstone_s if tombstone_s is not None else max(60.0, 2 * ttl_s)
+        self._clock = clock
+        self._on_free = on_free
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self._leased_blocks: set[int] = set()
+        self.counts = {state: 0 for state in LeaseState}
+
+    # --- queries -----------------------------------------------------------------------------------
+
+    def state(self, request_id: str) -> LeaseState:
+        with self._lock:
+            lease = self._leases.get(request_id)
+            return lease.state if lease else LeaseState.UNKNOWN
+
+    @property
+    def num_held(self) -> int:
+        with self._lock:
+            return sum(1 for lease in self._leases.values() if lease.state is LeaseState.HELD)
+
+    @property
+    def num_blocks_held(self) -> int:
+        with self._lock:
+            return len(self._leased_blocks)
+
+    # --- transitions -------------------------------------------------------------------------------
+
+    def grant(self, request_id: str, block_ids: Iterable[int], ttl_s: float | None = None) -> Lease:
+        ids = tuple(int(b) for b in block_ids)
+        with self._lock:
+            if request_id in self._leases and self._leases[request_id].state is LeaseState.HELD:
+                raise LeaseError(f"request {request_id!r} already holds a lease")
+            if len(set(ids)) != len(ids):
+                raise LeaseError(f"request {request_id!r}: duplicated block ids")
+            taken = self._leased_blocks.intersection(ids)
+            if taken:
+                raise LeaseError(f"request {request_id!r}: blocks {sorted(taken)[:8]} are already leased")
+            now = self._clock()
+            lease = Lease(request_id, ids, now, now + (ttl_s if ttl_s is not None else self.ttl_s))
+            self._leases[request_id] = lease
+            self._leased_blocks.update(ids)
+            self.counts[LeaseState.HELD] += 1
+            return lease
+
+    def complete(self, request_id: str) -> LeaseState:
+        """The reader finished (notification or confirmation). Returns the lease's final state."""
+        return self._end(request_id, LeaseState.COMPLETED)
+
+    def release(self, request_id: str) -> LeaseState:
+        """Give the blocks back now without a completed read."""
+        return self._end(request_id, LeaseState.RELEASED)
+
+    def expire(self) -> list[Lease]:
+        """End every lease past its TTL and forget old tombstones; returns the leases that expired."""
+        now = self._clock()
+        expired: list[Lease] = []
+        with self._lock:
+            for rid, lease in list(self._leases.items()):
+                if lease.state is LeaseState.HELD and now >= lease.expires_s:
+                    expired.append(lease)
+                elif lease.state is not LeaseState.HELD and now - lease.ended_s >= self.tombstone_s:
+                    del self._leases[rid]
+        return [lease for lease in expired if self._end(lease.request_id, LeaseState.EXPIRED) is LeaseState.EXPIRED]
+
+    def force_expire(self, request_id: str) -> LeaseState:
+        """Expire one lease now (fault injection and operator tooling)."""
+        return self._end(request_id, LeaseState.EXPIRED)
+
+    def _end(self, request_id: str, how: LeaseState) -> LeaseState:
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None:
+                return LeaseState.UNKNOWN
+            if lease.state is not LeaseState.HELD:
+                return lease.state
+            lease.state = how
+            lease.ended_s = self._clock()
+            self._leased_blocks.difference_update(lease.block_ids)
+            self.counts[how] += 1
+            self.counts[LeaseState.HELD] -= 1
+            blocks = list(lease.block_ids)
+        self._on_free(blocks)
+        return how

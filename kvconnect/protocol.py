@@ -1,0 +1,238 @@
+"""Wire formats: side-channel messages (msgspec msgpack), NIXL notifications, kv_transfer_params.
+
+Side-channel messages are one tagged union decoded by one decoder built once. Structs evolve by
+adding fields with defaults at the end; unknown fields are ignored (no `forbid_unknown_fields`), so
+rolling upgrades work. `kv_transfer_params` uses the field names of vLLM's NixlConnector and llm-d.
+
+Authentication (optional shared secret): every request carries a fresh nonce, a timestamp and an
+HMAC-SHA256 over its own encoding; the server answers with an HMAC bound to that nonce, so neither the
+secret nor a replayable token ever crosses the wire, and the client knows the answer came from a peer
+holding the secret.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import re
+from typing import Any, Union
+
+import msgspec
+
+from kvconnect.errors import InvalidRequestError, LayoutError, ProtocolError
+from kvconnect.layout import CacheSpec
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # agent metadata is the largest part (tens of KiB)
+
+
+class ErrorCode(str, enum.Enum):
+    BAD_MESSAGE = "bad_message"
+    VERSION = "version"
+    AUTH = "auth"
+    UNKNOWN_LEASE = "unknown_lease"
+    INTERNAL = "internal"
+
+
+class LeaseState(str, enum.Enum):
+    HELD = "held"  # blocks still reserved for the reader
+    COMPLETED = "completed"  # the reader's notification arrived while held: the data it read is good
+    RELEASED = "released"  # released without a completed read (abort)
+    EXPIRED = "expired"  # TTL ran out: blocks went back to the allocator and may hold other data now
+    UNKNOWN = "unknown"  # never seen, or forgotten
+
+
+class LeaseAction(str, enum.Enum):
+    CONFIRM = "confirm"  # after a READ: was the data intact? finishes the lease
+    RELEASE = "release"  # give the blocks back now (client abort, decode gave up)
+
+
+# --- side channel: requests ----------------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    protocol_version: int
+    engine_id: str
+    nonce: bytes = b""
+    ts_ms: int = 0
+    mac: bytes = b""
+
+
+class LeaseRequest(msgspec.Struct, tag="lease"):
+    protocol_version: int
+    engine_id: str
+    request_id: str
+    action: LeaseAction
+    nonce: bytes = b""
+    ts_ms: int = 0
+    mac: bytes = b""
+
+
+# --- side channel: replies -----------------------------------------------------------------------
+
+
+class PeerInfo(msgspec.Struct, tag="peer_info"):
+    """Everything a decode worker needs to pull from this worker."""
+
+    protocol_version: int
+    engine_id: str
+    incarnation_id: str
+    agent_name: str
+    agent_metadata: bytes
+    spec: CacheSpec
+    base_addrs: list[int]
+    device_id: int = 0
+    mac: bytes = b""
+
+
+class LeaseReply(msgspec.Struct, tag="lease_reply"):
+    request_id: str
+    state: LeaseState
+    incarnation_id: str = ""
+    mac: bytes = b""
+
+
+class ErrorReply(msgspec.Struct, tag="error"):
+    code: ErrorCode
+    message: str
+    protocol_version: int = PROTOCOL_VERSION
+    ref: str = ""  # correlation key of the refused request (see `ref_of`), empty if undecodable
+
+
+def ref_of(msg: Hello | LeaseRequest | PeerInfo | LeaseReply) -> str:
+    """Correlation key shared by a request and its reply."""
+    if isinstance(msg, (Hello, PeerInfo)):
+        return "hello"
+    return f"lease:{msg.request_id}"
+
+
+Request = Union[Hello, LeaseRequest]
+Reply = Union[PeerInfo, LeaseReply, ErrorReply]
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, data: bytes, what: str) -> Any:
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"{what} of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        return decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, LayoutError, ValueError, TypeError) as e:
+        raise ProtocolError(f"malformed {what}: {e}") from e
+
+
+def decode_request(data: bytes) -> Request:
+    msg = _decode(_request_decoder, data, "request")
+    if msg.protocol_version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {msg.protocol_version} != {PROTOCOL_VERSION}")
+    return msg  # type: ignore[no-any-return]
+
+
+def decode_reply(data: bytes) -> Reply:
+    return _decode(_reply_decoder, data, "reply")  # type: ignore[no-any-return]
+
+
+# --- authentication ------------------------------------------------------------------------------
+
+
+def _mac(secret: bytes, *parts: bytes) -> bytes:
+    h = hmac.new(secret, digestmod=hashlib.sha256)
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.digest()
+
+
+def sign_request(secret: bytes, msg: Hello | LeaseRequest) -> Hello | LeaseRequest:
+    return msgspec.structs.replace(msg, mac=_mac(secret, encode(msgspec.structs.replace(msg, mac=b""))))
+
+
+def request_mac_ok(secret: bytes, msg: Hello | LeaseRequest) -> bool:
+    want = _mac(secret, encode(msgspec.structs.replace(msg, mac=b"")))
+    return hmac.compare_digest(want, msg.mac)
+
+
+def sign_reply(secret: bytes, nonce: bytes, msg: PeerInfo | LeaseReply) -> PeerInfo | LeaseReply:
+    return msgspec.structs.replace(msg, mac=_mac(secret, nonce, encode(msgspec.structs.replace(msg, mac=b""))))
+
+
+def reply_mac_ok(secret: bytes, nonce: bytes, msg: PeerInfo | LeaseReply) -> bool:
+    want = _mac(secret, nonce, encode(msgspec.structs.replace(msg, mac=b"")))
+    return hmac.compare_digest(want, msg.mac)
+
+
+# --- NIXL notification ---------------------------------------------------------------------------
+
+
+class PullNotif(msgspec.Struct, tag="pulled", array_like=True):
+    """Sent with the READ; reaches the prefill side after the data was read."""
+
+    request_id: str
+    incarnation_id: str  # the prefill incarnation the reader believes it read from
+
+
+_notif_decoder = msgspec.msgpack.Decoder(PullNotif)
+
+
+def encode_notif(request_id: str, incarnation_id: str) -> bytes:
+    return _encoder.encode(PullNotif(request_id, incarnation_id))
+
+
+def decode_notif(data: bytes) -> PullNotif:
+    return _decode(_notif_decoder, data, "notification")  # type: ignore[no-any-return]
+
+
+# --- kv_transfer_params (JSON inside the OpenAI body) --------------------------------------------
+
+
+class KVTransferParams(msgspec.Struct, omit_defaults=True):
+    """vLLM/llm-d `kv_transfer_params`; unknown fields are ignored."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_block_ids: list[int] | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_request_id: str | None = None
+    tp_size: int = 1
+    # kvconnect additions (ignored by vLLM):
+    remote_incarnation_id: str | None = None
+    remote_num_tokens: int | None = None
+
+
+_PULL_FIELDS = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "remote_request_id")
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
+
+
+def parse_kv_transfer_params(obj: object) -> KVTransferParams | None:
+    """Validate the JSON-decoded `kv_transfer_params`; InvalidRequestError names the bad field."""
+    if obj is None:
+        return None
+    if not isinstance(obj, dict):
+        raise InvalidRequestError("kv_transfer_params", f"must be an object, got {type(obj).__name__}")
+    try:
+        params = msgspec.convert(obj, KVTransferParams, strict=True)
+    except msgspec.ValidationError as e:
+        m = _PATH.search(str(e))
+        field = "kv_transfer_params" + (f".{m.group(1)}" if m and m.group(1) else "")
+        raise InvalidRequestError(field, str(e).split(" - at ")[0]) from e
+    if params.do_remote_prefill:
+        for name in _PULL_FIELDS:
+            if getattr(params, name) is None:
+                raise InvalidRequestError(f"kv_transfer_params.{name}", "required when do_remote_prefill is true")
+        port = params.remote_port
+        if port is not None and not 0 < port < 65536:
+            raise InvalidRequestError("kv_transfer_params.remote_port", f"{port} is not a TCP port")
+        if not params.remote_block_ids:
+            raise InvalidRequestError("kv_transfer_params.remote_block_ids", "is empty")
+    if params.tp_size < 1:
+        raise InvalidRequestError("kv_transfer_params.tp_size", f"must be >= 1, got {params.tp_size}")
+    return params

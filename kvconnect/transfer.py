@@ -1,0 +1,120 @@
+"""One pull from request to usable blocks: phases, deadline, stats, and the caller's handle.
+
+The connector's loop thread owns `Pull` objects and moves them through `PullPhase`; callers on any
+thread hold a `PullHandle` and either poll it or wait on it. A pull reaches exactly one terminal phase,
+and only DONE means the bytes in the local blocks are the remote ones, read while the remote lease
+was held.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+from kvconnect.agent import XferHandle
+from kvconnect.descriptors import PullPlan
+from kvconnect.errors import KVConnectError, TransferTimeoutError
+
+
+class PullPhase(str, enum.Enum):
+    WAIT_PEER = "wait_peer"  # handshake with the remote engine in progress
+    POSTED = "posted"  # READ in flight
+    CONFIRMING = "confirming"  # data here; asking the prefill side whether its lease held
+    DONE = "done"
+    FAILED = "failed"
+
+
+class PullStats(msgspec.Struct):
+    """What one pull moved and how long each part took (seconds)."""
+
+    request_id: str
+    remote_engine_id: str
+    num_blocks: int = 0
+    bytes: int = 0
+    num_descs: int = 0
+    num_descs_merged: int = 0
+    granularity: str = ""
+    handshake_s: float = 0.0  # first contact only: metadata fetch + remote agent + list preparation
+    post_s: float = 0.0  # plan + make_prepped_xfer + transfer() on the loop thread
+    transfer_s: float = 0.0  # posted -> READ complete
+    confirm_s: float = 0.0
+    total_s: float = 0.0  # pull requested -> blocks usable
+
+    @property
+    def gbps(self) -> float:
+        span = self.transfer_s + self.post_s
+        return self.bytes / span / 1e9 if span > 0 else 0.0
+
+
+class PullHandle:
+    """The caller's view of a pull; thread-safe."""
+
+    def __init__(self, request_id: str, remote_engine_id: str) -> None:
+        self.request_id = request_id
+        self.stats = PullStats(request_id, remote_engine_id)
+        self._event = threading.Event()
+        self._error: KVConnectError | None = None
+        self.cancel_requested = False
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def poll(self) -> bool | None:
+        """None while in flight, True when the blocks are usable; raises the pull's error."""
+        if not self._event.is_set():
+            return None
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def wait(self, timeout_s: float | None = None) -> PullStats:
+        if not self._event.wait(timeout_s):
+            raise TransferTimeoutError(f"pull {self.request_id}: caller gave up after {timeout_s}s")
+        if self._error is not None:
+            raise self._error
+        return self.stats
+
+    @property
+    def error(self) -> KVConnectError | None:
+        return self._error
+
+    def cancel(self) -> None:
+        """Ask the loop to abandon the pull (its blocks must not be used)."""
+        self.cancel_requested = True
+
+    def _finish(self, error: KVConnectError | None) -> None:
+        self._error = error
+        self._event.set()
+
+
+@dataclass
+class Pull:
+    """Loop-side state of one pull."""
+
+    handle: PullHandle
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_request_id: str
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+    expected_incarnation: str | None
+    requested_s: float
+    deadline_s: float
+    phase: PullPhase = PullPhase.WAIT_PEER
+    plan: PullPlan | None = None
+    xfer: XferHandle | None = None
+    incarnation_id: str = ""
+    posted_s: float = 0.0
+    read_done_s: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def finish(self, error: KVConnectError | None) -> None:
+        now = time.monotonic()
+        self.phase = PullPhase.FAILED if error else PullPhase.DONE
+        self.handle.stats.total_s = now - self.requested_s
+        self.handle._finish(error)

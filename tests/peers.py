@@ -1,0 +1,102 @@
+"""A prefill worker in its own process, driven over a pipe by tests (real NIXL, real ZMQ)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from kvconnect.layout import CacheSpec
+
+UCX_ENV = {"UCX_TLS": "tcp,cma,sm,self", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"}
+
+
+def _prefill_main(conn: Any, spec_raw: bytes, seed: int, config_raw: dict, env: dict) -> None:
+    os.environ.update(env)
+    from kvconnect.cache import KVCache
+    from kvconnect.config import connector_config
+    from kvconnect.connector import KVConnector
+
+    spec = msgspec.msgpack.decode(spec_raw, type=CacheSpec)
+    cache = KVCache.allocate(spec)
+    cache.fill_pattern(seed)
+    freed: list[int] = []
+    connector = KVConnector(cache, connector_config({}, **config_raw), on_blocks_freed=freed.extend)
+    conn.send(("ready", connector.side_channel_port, connector.incarnation_id))
+    try:
+        while True:
+            cmd, *args = conn.recv()
+            if cmd == "lease":
+                params = connector.lease(*args)
+                conn.send(msgspec.json.encode(params))
+            elif cmd == "state":
+                conn.send(connector.leases.state(args[0]).value)
+            elif cmd == "freed":
+                conn.send(sorted(freed))
+            elif cmd == "held":
+                conn.send(connector.leases.num_blocks_held)
+            elif cmd == "expire":
+                conn.send(connector.leases.force_expire(args[0]).value)
+            elif cmd == "block":
+                conn.send(cache.block_bytes(args[0]))
+            elif cmd == "overwrite":
+                for layer in range(spec.num_layers):
+                    for t in cache.kv(layer):
+                        t[args[0]].view(-1).view(__import__("torch").uint8).fill_(0xAB)
+                conn.send("ok")
+            elif cmd == "stop":
+                break
+    finally:
+        connector.close()
+        conn.send("stopped")
+
+
+@dataclass
+class PrefillProc:
+    proc: Any
+    conn: Any
+    port: int
+    incarnation_id: str
+
+    @classmethod
+    def start(cls, spec: CacheSpec, seed: int = 1, env: dict | None = None, **config: Any) -> PrefillProc:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        config.setdefault("side_channel_host", "127.0.0.1")
+        proc = ctx.Process(
+            target=_prefill_main,
+            args=(child, msgspec.msgpack.encode(spec), seed, config, {**UCX_ENV, **(env or {})}),
+            daemon=True,
+        )
+        proc.start()
+        if not parent.poll(60):
+            proc.kill()
+            raise RuntimeError("prefill process did not start within 60 s")
+        tag, port, inc = parent.recv()
+        assert tag == "ready"
+        return cls(proc, parent, port, inc)
+
+    def ask(self, *cmd: Any, timeout_s: float = 30) -> Any:
+        self.conn.send(cmd)
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"prefill process did not answer {cmd[0]!r} within {timeout_s}s")
+        return self.conn.recv()
+
+    def lease(self, request_id: str, block_ids: list[int]):
+        from kvconnect.protocol import KVTransferParams
+
+        return msgspec.json.decode(self.ask("lease", request_id, block_ids), type=KVTransferParams)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.ask("stop", timeout_s=10)
+            except (TimeoutError, EOFError, BrokenPipeError, OSError):
+                pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
