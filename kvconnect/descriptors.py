@@ -148,10 +148,13 @@ def _count_merged(local_t: UnitTable, remote_t: UnitTable, local: np.ndarray, re
     return int(lo.size - np.count_nonzero(joins))
 
 
-def merge_runs(dst: np.ndarray, src: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Merge (N, 3) descriptor pairs, in order, where both sides continue the previous one.
+def merge_runs(
+    dst: np.ndarray, src: np.ndarray, dst_region: np.ndarray | None = None, src_region: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Merge (N, 3) descriptor pairs, in order, where both sides continue the previous one (and stay
+    in the same registered region, when regions are given).
 
-    Returns the merged (M, 3) arrays. Used by tests and the benchmark to show what a READ touches.
+    Returns the merged (M, 3) arrays: what a READ actually touches.
     """
     if dst.shape != src.shape:
         raise ValueError("descriptor arrays differ in shape")
@@ -163,6 +166,8 @@ def merge_runs(dst: np.ndarray, src: np.ndarray) -> tuple[np.ndarray, np.ndarray
         & (dst[1:, 2] == dst[:-1, 2])
         & (src[1:, 2] == src[:-1, 2])
     )
+    if dst_region is not None and src_region is not None:
+        joins &= (dst_region[1:] == dst_region[:-1]) & (src_region[1:] == src_region[:-1])
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
     lengths = np.add.reduceat(dst[:, 1], starts)
     out_dst = dst[starts].copy()

@@ -29,29 +29,42 @@ def _prefill_main(conn: Any, spec_raw: bytes, seed: int, config_raw: dict, env: 
     try:
         while True:
             cmd, *args = conn.recv()
-            if cmd == "lease":
-                params = connector.lease(*args)
-                conn.send(msgspec.json.encode(params))
-            elif cmd == "state":
-                conn.send(connector.leases.state(args[0]).value)
-            elif cmd == "freed":
-                conn.send(sorted(freed))
-            elif cmd == "held":
-                conn.send(connector.leases.num_blocks_held)
-            elif cmd == "expire":
-                conn.send(connector.leases.force_expire(args[0]).value)
-            elif cmd == "block":
-                conn.send(cache.block_bytes(args[0]))
-            elif cmd == "overwrite":
-                for layer in range(spec.num_layers):
-                    for t in cache.kv(layer):
-                        t[args[0]].view(-1).view(__import__("torch").uint8).fill_(0xAB)
-                conn.send("ok")
-            elif cmd == "stop":
-                break
+            try:
+                if _serve(cmd, args, conn, connector, cache, spec, freed):
+                    break
+            except Exception as e:  # report to the test instead of dying
+                conn.send(("error", f"{type(e).__name__}: {e}"))
     finally:
         connector.close()
         conn.send("stopped")
+
+
+def _serve(cmd: str, args: list, conn: Any, connector: Any, cache: Any, spec: CacheSpec, freed: list) -> bool:
+    """Answer one command; True means stop."""
+    import torch
+
+    if cmd == "stop":
+        return True
+    if cmd == "lease":
+        conn.send(msgspec.json.encode(connector.lease(*args)))
+    elif cmd == "state":
+        conn.send(connector.leases.state(args[0]).value)
+    elif cmd == "freed":
+        conn.send(sorted(freed))
+    elif cmd == "held":
+        conn.send(connector.leases.num_blocks_held)
+    elif cmd == "expire":
+        conn.send(connector.leases.force_expire(args[0]).value)
+    elif cmd == "block":
+        conn.send(cache.block_bytes(args[0]))
+    elif cmd == "overwrite":
+        for layer in range(spec.num_layers):
+            for t in cache.kv(layer):
+                t[args[0]].view(torch.uint8).fill_(0xAB)
+        conn.send("ok")
+    else:
+        raise ValueError(f"unknown command {cmd!r}")
+    return False
 
 
 @dataclass
@@ -83,7 +96,10 @@ class PrefillProc:
         self.conn.send(cmd)
         if not self.conn.poll(timeout_s):
             raise TimeoutError(f"prefill process did not answer {cmd[0]!r} within {timeout_s}s")
-        return self.conn.recv()
+        answer = self.conn.recv()
+        if isinstance(answer, tuple) and answer and answer[0] == "error":
+            raise RuntimeError(f"prefill process: {answer[1]}")
+        return answer
 
     def lease(self, request_id: str, block_ids: list[int]):
         from kvconnect.protocol import KVTransferParams

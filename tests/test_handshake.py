@@ -1,0 +1,173 @@
+"""ZMQ side channel: authentication, bad input, dead peers; the server keeps serving good peers."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from kvconnect import protocol as p
+from kvconnect.errors import AuthError, HandshakeError, HandshakeTimeoutError
+from kvconnect.handshake import PeerChannel, SideChannelServer, request, zmq_address
+from kvconnect.layout import CacheSpec, LayoutKind
+
+SPEC = CacheSpec(kind=LayoutKind.BLOCKS_FIRST, dtype="float16", num_layers=2, num_blocks=8, block_size=16,
+                 num_kv_heads=1, head_dim=8)
+INFO = p.PeerInfo(p.PROTOCOL_VERSION, "srv", "inc-1", "agent", b"metadata", SPEC, [4096, 8192])
+
+
+def handler(msg: p.Request) -> p.Reply:
+    if isinstance(msg, p.Hello):
+        return INFO
+    return p.LeaseReply(msg.request_id, p.LeaseState.COMPLETED, "inc-1")
+
+
+class Running:
+    def __init__(self, secret: bytes = b"") -> None:
+        self.ctx = zmq.Context()
+        self.server = SideChannelServer(self.ctx, "127.0.0.1", 0, handler, secret)
+        self.port = self.server.port
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.server.poll(5)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.server.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.term()
+
+
+@pytest.fixture(params=[b"", b"s3cret"], ids=["open", "secret"])
+def server(request):
+    s = Running(request.param)
+    s.secret = request.param
+    yield s
+    s.close()
+
+
+def hello() -> p.Hello:
+    return p.Hello(p.PROTOCOL_VERSION, "client")
+
+
+def test_good_peer_gets_info(ctx, server) -> None:
+    reply = request(ctx, "127.0.0.1", server.port, hello(), 5, server.secret)
+    assert isinstance(reply, p.PeerInfo) and reply.agent_metadata == b"metadata"
+
+
+def test_wrong_or_missing_secret_gets_nothing(ctx) -> None:
+    s = Running(b"right")
+    try:
+        for secret in (b"", b"wrong"):
+            with pytest.raises(AuthError) as e:
+                request(ctx, "127.0.0.1", s.port, hello(), 5, secret)
+            assert "metadata" not in str(e.value)
+        assert s.server.num_refused == 2
+        assert isinstance(request(ctx, "127.0.0.1", s.port, hello(), 5, b"right"), p.PeerInfo)
+    finally:
+        s.close()
+
+
+def test_replayed_request_is_refused(ctx) -> None:
+    s = Running(b"k")
+    try:
+        signed = p.sign_request(b"k", msgspec.structs.replace(hello(), nonce=os.urandom(16),
+                                                               ts_ms=int(time.time() * 1000)))
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(zmq_address("127.0.0.1", s.port))
+        answers = []
+        for _ in range(2):
+            sock.send_multipart([b"", p.encode(signed)])
+            assert sock.poll(5000)
+            answers.append(p.decode_reply(sock.recv_multipart()[-1]))
+        sock.close()
+        assert isinstance(answers[0], p.PeerInfo)
+        assert isinstance(answers[1], p.ErrorReply) and answers[1].code is p.ErrorCode.AUTH
+        assert "replayed" in answers[1].message
+    finally:
+        s.close()
+
+
+def test_garbage_truncated_oversized_and_wrong_version(ctx, server) -> None:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(zmq_address("127.0.0.1", server.port))
+    good = p.encode(hello())
+    cases = [os.urandom(64), good[: len(good) // 2], p.encode(p.Hello(7, "old")), b""]
+    for payload in cases:
+        sock.send_multipart([b"", payload])
+        assert sock.poll(5000), "server stopped answering"
+        reply = p.decode_reply(sock.recv_multipart()[-1])
+        assert isinstance(reply, p.ErrorReply)
+        assert reply.code in (p.ErrorCode.BAD_MESSAGE, p.ErrorCode.VERSION)
+    sock.send_multipart([b"", b"\x00" * (p.MAX_MESSAGE_BYTES + 10)])  # ZMQ drops the connection
+    sock.close()
+    raw = socket.create_connection(("127.0.0.1", server.port), timeout=5)  # not even ZMTP
+    raw.sendall(os.urandom(300))
+    raw.close()
+    assert isinstance(request(ctx, "127.0.0.1", server.port, hello(), 5, server.secret), p.PeerInfo)
+
+
+def test_burst_of_connections(ctx, server) -> None:
+    socks = []
+    for _ in range(100):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(zmq_address("127.0.0.1", server.port))
+        s.send_multipart([b"", os.urandom(16)])
+        socks.append(s)
+    answered = sum(1 for s in socks if s.poll(5000) and s.recv_multipart())
+    for s in socks:
+        s.close()
+    assert answered == 100
+    assert isinstance(request(ctx, "127.0.0.1", server.port, hello(), 5, server.secret), p.PeerInfo)
+
+
+def test_dead_address_fails_within_deadline(ctx) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nobody listens there
+    t0 = time.monotonic()
+    with pytest.raises(HandshakeTimeoutError, match="within 0.5s"):
+        request(ctx, "127.0.0.1", port, hello(), 0.5)
+    assert time.monotonic() - t0 < 3
+
+
+def test_peer_channel_correlates_replies(ctx, server) -> None:
+    ch = PeerChannel(ctx, "127.0.0.1", server.port, server.secret)
+    ch.send(hello())
+    ch.send(p.LeaseRequest(p.PROTOCOL_VERSION, "client", "r9", p.LeaseAction.CONFIRM))
+    got: dict = {}
+    deadline = time.monotonic() + 5
+    while len(got) < 2 and time.monotonic() < deadline:
+        ch.sock.poll(50)
+        got.update(ch.receive())
+    ch.close()
+    assert isinstance(got["hello"], p.PeerInfo)
+    assert isinstance(got["lease:r9"], p.LeaseReply) and got["lease:r9"].state is p.LeaseState.COMPLETED
+
+
+def test_reply_signed_with_another_secret_is_rejected(ctx) -> None:
+    s = Running(b"server-key")
+    try:
+        with pytest.raises(HandshakeError):
+            request(ctx, "127.0.0.1", s.port, hello(), 5, b"client-key")
+    finally:
+        s.close()

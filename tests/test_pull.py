@@ -1,0 +1,207 @@
+"""Real pulls between two processes: a prefill process and this (decode) process, NIXL over UCX."""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from kvconnect.cache import KVCache
+from kvconnect.config import connector_config
+from kvconnect.connector import KVConnector
+from kvconnect.errors import (
+    AuthError,
+    HandshakeTimeoutError,
+    InvalidRequestError,
+    LayoutMismatchError,
+    LeaseLostError,
+)
+from kvconnect.layout import CacheSpec, LayoutKind
+from tests.peers import PrefillProc
+
+GEOMETRY = dict(dtype="float16", num_layers=3, block_size=16, num_kv_heads=2, head_dim=32)
+
+
+def spec(kind: LayoutKind, num_blocks: int = 40, **kw) -> CacheSpec:
+    return CacheSpec(kind=kind, num_blocks=num_blocks, **{**GEOMETRY, **kw})
+
+
+def poll_until(predicate, timeout_s: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"{what} not reached within {timeout_s}s")
+
+
+@pytest.fixture(scope="module")
+def prefills():
+    procs = {kind: PrefillProc.start(spec(kind), seed=11 + i) for i, kind in enumerate(LayoutKind)}
+    yield procs
+    for proc in procs.values():
+        proc.stop()
+
+
+def decoder(kind: LayoutKind, num_blocks: int = 32, **config) -> KVConnector:
+    return KVConnector(KVCache.allocate(spec(kind, num_blocks)),
+                       connector_config({}, side_channel_host="127.0.0.1", **config))
+
+
+def rid() -> str:
+    return f"req-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.mark.parametrize("local_kind", list(LayoutKind))
+def test_every_layout_pair_pulls_byte_exact(prefills, local_kind) -> None:
+    rng = np.random.default_rng(hash(local_kind.value) % 1000)
+    with decoder(local_kind) as dec:
+        for remote_kind, pre in prefills.items():
+            for t in dec.cache.regions:
+                t.zero_()
+            remote_ids = [int(x) for x in rng.permutation(36)[:12]] + [36, 37, 38]  # scattered + a run
+            local_ids = [int(x) for x in rng.permutation(29)[:12]] + [29, 30, 31]
+            request_id = rid()
+            params = pre.lease(request_id, remote_ids)
+            stats = dec.pull(params, local_ids).wait(20)
+            for lid, r in zip(local_ids, remote_ids):
+                assert dec.cache.block_bytes(lid) == pre.ask("block", r), (local_kind, remote_kind, lid)
+            untouched = set(range(32)) - set(local_ids)
+            zero = bytes(spec(local_kind).block_bytes)
+            assert all(dec.cache.block_bytes(b) == zero for b in untouched)
+            assert stats.bytes == 15 * spec(local_kind).block_bytes and stats.num_blocks == 15
+            if local_kind is remote_kind:  # the run of three merges (mixed pairs may share no dense unit)
+                assert stats.num_descs_merged < stats.num_descs
+            assert stats.num_descs_merged <= stats.num_descs
+            assert pre.ask("state", request_id) == "completed"
+            assert set(remote_ids) <= set(pre.ask("freed"))
+        assert dec.counters.pulls_ok == 3 and dec.counters.handshakes == 3
+
+
+def test_notification_alone_releases_the_lease(prefills) -> None:
+    pre = prefills[LayoutKind.CROSS_LAYER]
+    with decoder(LayoutKind.CROSS_LAYER, confirm_reads=False) as dec:
+        request_id = rid()
+        params = pre.lease(request_id, [1, 2, 3, 20])
+        assert pre.ask("state", request_id) == "held"
+        stats = dec.pull(params, [4, 5, 6, 7]).wait(20)
+        assert stats.num_descs == 4 and stats.num_descs_merged == 2 and stats.granularity == "BLOCK"
+        poll_until(lambda: pre.ask("state", request_id) == "completed", what="lease completed by notification")
+        assert pre.ask("held") == 0
+
+
+def test_unread_lease_expires_and_frees_blocks() -> None:
+    pre = PrefillProc.start(spec(LayoutKind.BLOCKS_FIRST), lease_ttl_s=0.3)
+    try:
+        request_id = rid()
+        pre.lease(request_id, [7, 8])
+        poll_until(lambda: pre.ask("state", request_id) == "expired", what="lease expiry")
+        assert pre.ask("freed") == [7, 8] and pre.ask("held") == 0
+    finally:
+        pre.stop()
+
+
+def test_pull_of_expired_lease_fails_closed(prefills) -> None:
+    pre = prefills[LayoutKind.BLOCKS_FIRST]
+    with decoder(LayoutKind.BLOCKS_FIRST) as dec:
+        request_id = rid()
+        params = pre.lease(request_id, [10, 11])
+        assert pre.ask("expire", request_id) == "expired"
+        pre.ask("overwrite", 10)  # the blocks went back and now hold someone else's data
+        with pytest.raises(LeaseLostError, match="expired"):
+            dec.pull(params, [0, 1]).wait(20)
+        assert dec.counters.pull_failures == {"LeaseLostError": 1}
+
+
+def test_remote_ids_out_of_range_are_refused_before_posting(prefills) -> None:
+    pre = prefills[LayoutKind.KV_FIRST]
+    with decoder(LayoutKind.KV_FIRST) as dec:
+        request_id = rid()
+        params = pre.lease(request_id, [1, 2])
+        params.remote_block_ids = [1, 4000]
+        with pytest.raises(InvalidRequestError) as e:
+            dec.pull(params, [0, 1]).wait(20)
+        assert e.value.field == "remote_block_ids"
+        assert pre.ask("state", request_id) == "held"  # nothing was read
+        with pytest.raises(InvalidRequestError, match="duplicated"):
+            dec.pull(params, [3, 3])
+
+
+def test_layout_mismatch_names_the_fields() -> None:
+    pre = PrefillProc.start(spec(LayoutKind.BLOCKS_FIRST, head_dim=64, dtype="bfloat16"))
+    try:
+        with decoder(LayoutKind.BLOCKS_FIRST) as dec:
+            params = pre.lease(rid(), [1])
+            with pytest.raises(LayoutMismatchError) as e:
+                dec.pull(params, [0]).wait(20)
+            assert set(e.value.fields) == {"head_dim", "dtype"}
+    finally:
+        pre.stop()
+
+
+def test_secret_required_and_checked() -> None:
+    pre = PrefillProc.start(spec(LayoutKind.CROSS_LAYER), secret="open-sesame")
+    try:
+        for block, wrong in enumerate(("", "guess")):
+            with decoder(LayoutKind.CROSS_LAYER, secret=wrong) as dec:
+                with pytest.raises(AuthError):
+                    dec.pull(pre.lease(rid(), [10 + block]), [0]).wait(20)
+        with decoder(LayoutKind.CROSS_LAYER, secret="open-sesame") as dec:
+            request_id = rid()
+            dec.pull(pre.lease(request_id, [2, 3]), [0, 1]).wait(20)
+            assert dec.cache.block_bytes(1) == pre.ask("block", 3)
+    finally:
+        pre.stop()
+
+
+def test_dead_prefill_address_fails_within_deadline() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    from kvconnect.protocol import KVTransferParams
+
+    params = KVTransferParams(do_remote_prefill=True, remote_engine_id="ghost", remote_block_ids=[1],
+                              remote_host="127.0.0.1", remote_port=port, remote_request_id="r")
+    with decoder(LayoutKind.CROSS_LAYER, handshake_timeout_s=0.5) as dec:
+        t0 = time.monotonic()
+        with pytest.raises(HandshakeTimeoutError, match="ghost"):
+            dec.pull(params, [0]).wait(10)
+        assert time.monotonic() - t0 < 3
+
+
+def test_tcp_only_transport_completes_asynchronously() -> None:
+    pre = PrefillProc.start(spec(LayoutKind.BLOCKS_FIRST), env={"UCX_TLS": "tcp"})
+    try:
+        with decoder(LayoutKind.KV_FIRST) as dec:
+            request_id = rid()
+            stats = dec.pull(pre.lease(request_id, [5, 9, 13]), [1, 2, 3]).wait(30)
+            assert dec.cache.block_bytes(2) == pre.ask("block", 9)
+            assert stats.transfer_s > 0
+            poll_until(lambda: pre.ask("state", request_id) == "completed", what="lease completed")
+    finally:
+        pre.stop()
+
+
+def test_prefill_restart_under_same_engine_id() -> None:
+    pre = PrefillProc.start(spec(LayoutKind.CROSS_LAYER), engine_id="prefill-a", seed=1)
+    with decoder(LayoutKind.CROSS_LAYER) as dec:
+        try:
+            stale = pre.lease(rid(), [4])
+            dec.pull(pre.lease(rid(), [1]), [0]).wait(20)
+        finally:
+            pre.stop()
+        pre = PrefillProc.start(spec(LayoutKind.CROSS_LAYER), engine_id="prefill-a", seed=2)
+        try:
+            request_id = rid()
+            dec.pull(pre.lease(request_id, [1]), [0]).wait(20)  # new incarnation: re-handshake
+            assert dec.cache.block_bytes(0) == pre.ask("block", 1)
+            assert dec.counters.handshakes == 2
+            stale.remote_port = pre.port  # a lease granted by the dead incarnation
+            with pytest.raises(LeaseLostError, match="restarted"):
+                dec.pull(stale, [2]).wait(20)
+        finally:
+            pre.stop()
