@@ -108,7 +108,8 @@ class DecodeSide:
     # --- loop thread -------------------------------------------------------------------------------
 
     def busy(self) -> bool:
-        return bool(self._posted)
+        """True while a READ or a confirmation is in flight: the loop then spins instead of sleeping."""
+        return bool(self._posted) or any(peer.confirming for peer in self._peers.values())
 
     def _start(self, pull: Pull) -> None:
         peer = self._peers.get(pull.remote_engine_id)

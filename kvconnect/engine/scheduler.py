@@ -13,7 +13,7 @@ from collections import deque
 
 from kvconnect.engine.allocator import BlockAllocator, OutOfBlocksError
 from kvconnect.engine.hooks import LoadFailurePolicy
-from kvconnect.engine.sequence import FinishReason, Sequence, SeqStatus
+from kvconnect.engine.sequence import FinishReason, SeqStatus, Sequence
 from kvconnect.errors import KVConnectError
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Set up (once, idempotent) and run kvconnect from a fresh clone.
+#   bash scripts/dev.sh demo [args]   # the local prefill/decode demo
+#   bash scripts/dev.sh test [args]   # the test suite (what CI runs)
+#   bash scripts/dev.sh setup         # only build .venv
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${KVCONNECT_VENV:-.venv}
+PY=${PYTHON:-python3}
+
+setup() {
+  local stamp="$VENV/.kvconnect-setup"
+  local want
+  want=$(cat pyproject.toml scripts/dev.sh | sha256sum | cut -d' ' -f1)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1; then
+      "$VENV/bin/pip" install -q torch
+    else
+      # CPU-only machine: the CPU build (a plain `torch` would pull a multi-GB CUDA build)
+      "$VENV/bin/pip" install -q "torch==2.13.0"
+    fi
+  fi
+  "$VENV/bin/pip" install -q -e ".[test,dev]"
+  echo "$want" > "$stamp"
+}
+
+cmd=${1:-test}
+shift || true
+case "$cmd" in
+  setup) setup ;;
+  demo) setup; exec "$VENV/bin/kvconnect" demo "$@" ;;
+  test) setup; exec "$VENV/bin/python" -m pytest -q "$@" ;;
+  *) echo "usage: $0 {demo|test|setup} [args]" >&2; exit 2 ;;
+esac
