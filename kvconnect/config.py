@@ -71,3 +71,9 @@ def connector_config(environ: Mapping[str, str] | None = None, **overrides: obje
         return msgspec.convert(raw, ConnectorConfig, strict=False)
     except msgspec.ValidationError as e:
         raise ConfigError(f"invalid kvconnect setting: {e}") from e
+
+
+def env_setting(name: str, default: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
+    """One `KVCONNECT_<NAME>` variable (CLI flag defaults for settings outside ConnectorConfig)."""
+    env = os.environ if environ is None else environ
+    return env.get(ENV_PREFIX + name.upper(), default)

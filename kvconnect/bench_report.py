@@ -1,0 +1,292 @@
+"""What `kvconnect bench` records and how it shows it: result structs, summary statistics, the text
+table, the JSON file and the PNG plot.
+
+Everything a run measured lives in one `BenchReport` (msgspec structs, so the JSON file is the same
+object the table is printed from). Throughput figures are decimal GB/s (1e9 bytes per second).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SCHEMA = "kvconnect-bench/1"
+
+
+class Geometry(msgspec.Struct, frozen=True):
+    model: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+
+
+class BenchOptions(msgspec.Struct, frozen=True):
+    """Everything that defines a run (parsed from the command line, or built by tests)."""
+
+    geometry: Geometry
+    tokens: list[int]
+    layout_pairs: list[tuple[str, str]]  # (prefill layout, decode layout)
+    patterns: list[str]  # "contiguous", "scattered", "runs:K"
+    reps: int = 5
+    warmup: int = 1
+    seed: int = 0
+    cache_factor: float = 1.25  # each side's cache holds this many times the request's blocks
+    prefill_device: str = "cpu"
+    decode_device: str = "cpu"
+    ucx_env: dict[str, str] = {}
+    nixl_threads: int = 0
+    confirm: bool = True
+    pull_timeout_s: float = 60.0
+    progress: bool | None = None  # None: a bar when stderr is a terminal
+
+
+class RepResult(msgspec.Struct, frozen=True):
+    """One timed pull (seconds, from the connector's PullStats)."""
+
+    post_s: float
+    transfer_s: float
+    confirm_s: float
+    total_s: float
+    num_descs_merged: int
+
+
+class Ceiling(msgspec.Struct, frozen=True):
+    kind: str  # "memcpy (numpy, 1 thread)" or "torch copy cuda:0 -> cuda:1"
+    bytes: int
+    reps_s: list[float]
+    gbps_median: float
+
+
+class CaseResult(msgspec.Struct, frozen=True):
+    prefill_layout: str
+    decode_layout: str
+    tokens: int
+    pattern: str
+    num_blocks: int
+    cache_blocks: int  # blocks in each side's cache (ids are drawn from these)
+    bytes: int
+    granularity: str
+    num_descs: int  # per request, before run merging
+    num_descs_merged: int  # median over timed reps
+    bytes_per_desc: float  # after merging
+    first_contact_s: float  # handshake_s of the case's first pull: metadata + remote agent + list prep
+    first_pull_total_s: float  # that first (cold) pull, requested -> usable
+    reps: list[RepResult]
+    gbps_median: float  # bytes / (post + transfer)
+    gbps_p90: float  # the same at the 90th percentile of (post + transfer): the slow tail
+    e2e_gbps_median: float  # bytes / total (pull requested -> blocks usable, confirmation included)
+    post_ms_median: float
+    xfer_ms_median: float
+    confirm_ms_median: float
+    total_ms_median: float
+    ceiling: Ceiling
+    pct_of_ceiling: float  # gbps_median / ceiling.gbps_median * 100
+    verified_pulls: int  # every pull of the case, first and warm-up included
+    verified_bytes: int
+
+    @property
+    def pair(self) -> str:
+        return f"{self.prefill_layout}:{self.decode_layout}"
+
+
+class BenchReport(msgspec.Struct):
+    schema: str
+    command: list[str]
+    options: BenchOptions
+    environment: dict[str, str]
+    cases: list[CaseResult] = []
+
+
+def summarize_case(
+    *,
+    prefill_layout: str,
+    decode_layout: str,
+    tokens: int,
+    pattern: str,
+    num_blocks: int,
+    cache_blocks: int,
+    total_bytes: int,
+    granularity: str,
+    num_descs: int,
+    first_contact_s: float,
+    first_pull_total_s: float,
+    reps: list[RepResult],
+    ceiling: Ceiling,
+    verified_pulls: int,
+    verified_bytes: int,
+) -> CaseResult:
+    """Medians and tails of the timed reps, plus the ratio to the same-run ceiling."""
+    span_s = np.array([r.post_s + r.transfer_s for r in reps])
+    total_s = np.array([r.total_s for r in reps])
+    merged = int(np.median([r.num_descs_merged for r in reps]))
+    gbps = total_bytes / np.median(span_s) / 1e9
+    return CaseResult(
+        prefill_layout=prefill_layout,
+        decode_layout=decode_layout,
+        tokens=tokens,
+        pattern=pattern,
+        num_blocks=num_blocks,
+        cache_blocks=cache_blocks,
+        bytes=total_bytes,
+        granularity=granularity,
+        num_descs=num_descs,
+        num_descs_merged=merged,
+        bytes_per_desc=total_bytes / max(merged, 1),
+        first_contact_s=first_contact_s,
+        first_pull_total_s=first_pull_total_s,
+        reps=reps,
+        gbps_median=float(gbps),
+        gbps_p90=float(total_bytes / np.percentile(span_s, 90) / 1e9),
+        e2e_gbps_median=float(total_bytes / np.median(total_s) / 1e9),
+        post_ms_median=float(np.median([r.post_s for r in reps]) * 1e3),
+        xfer_ms_median=float(np.median([r.transfer_s for r in reps]) * 1e3),
+        confirm_ms_median=float(np.median([r.confirm_s for r in reps]) * 1e3),
+        total_ms_median=float(np.median(total_s) * 1e3),
+        ceiling=ceiling,
+        pct_of_ceiling=float(100 * gbps / ceiling.gbps_median) if ceiling.gbps_median > 0 else 0.0,
+        verified_pulls=verified_pulls,
+        verified_bytes=verified_bytes,
+    )
+
+
+# --- text ----------------------------------------------------------------------------------------
+
+_COLUMNS = (
+    # header, width, formatter
+    ("layout pair", 27, lambda c: c.pair),
+    ("tokens", 6, lambda c: str(c.tokens)),
+    ("pattern", 10, lambda c: c.pattern),
+    ("MiB", 8, lambda c: f"{c.bytes / 2**20:.1f}"),
+    ("descs", 7, lambda c: str(c.num_descs)),
+    ("merged", 7, lambda c: str(c.num_descs_merged)),
+    ("B/desc", 9, lambda c: _size(c.bytes_per_desc)),
+    ("post ms", 8, lambda c: f"{c.post_ms_median:.2f}"),
+    ("xfer ms", 8, lambda c: f"{c.xfer_ms_median:.2f}"),
+    ("GB/s", 7, lambda c: f"{c.gbps_median:.2f}"),
+    ("p90", 7, lambda c: f"{c.gbps_p90:.2f}"),
+    ("e2e", 7, lambda c: f"{c.e2e_gbps_median:.2f}"),
+    ("ceil", 7, lambda c: f"{c.ceiling.gbps_median:.2f}"),
+    ("%ceil", 6, lambda c: f"{c.pct_of_ceiling:.0f}%"),
+    ("1st ms", 7, lambda c: f"{c.first_contact_s * 1e3:.1f}"),
+)
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            value = nbytes / scale
+            return f"{value:.0f}{unit}" if value >= 100 or value == int(value) else f"{value:.1f}{unit}"
+    return f"{nbytes:.0f}B"
+
+
+def format_table(report: BenchReport) -> str:
+    """The human-readable report: geometry and environment, one row per case, a legend."""
+    opts, geo = report.options, report.options.geometry
+    env = report.environment
+    lines = [
+        f"kvconnect bench: {geo.model} ({geo.num_layers} layers, {geo.num_kv_heads} kv heads, head_dim "
+        f"{geo.head_dim}, {geo.dtype}), block {geo.block_size} tokens; {opts.prefill_device} -> "
+        f"{opts.decode_device}; reps {opts.reps} (+{opts.warmup} warm-up); confirm "
+        f"{'on' if opts.confirm else 'off'}; nixl threads {opts.nixl_threads}",
+        "env: " + (" ".join(f"{k}={v}" for k, v in sorted(env.items()) if k.startswith(("UCX_", "NIXL_")))
+                   or "(UCX defaults)"),
+        "",
+        "  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w, _) in enumerate(_COLUMNS)),
+    ]
+    for case in report.cases:
+        lines.append("  ".join(f(case).rjust(w) if i else f(case).ljust(w) for i, (_, w, f) in enumerate(_COLUMNS)))
+    verified = sum(c.verified_pulls for c in report.cases)
+    lines += [
+        "",
+        "layout pair = prefill:decode. descs/merged = descriptors per request before/after merging runs of",
+        "adjacent blocks; B/desc after merging. post/xfer = median time to post (plan + make_prepped_xfer +",
+        "transfer()) and from posting to completion; when transfer() completes the copy itself (UCX cma) the",
+        "copy shows under post. GB/s = bytes / (post + xfer), median over reps; p90 = the same at the 90th",
+        "percentile of (post + xfer), i.e. the slow tail; e2e = bytes / (pull requested -> blocks usable,",
+        "lease confirmation included). ceil = plain local copy of the same bytes in the same run",
+        f"({report.cases[0].ceiling.kind if report.cases else '-'}); 1st ms = first-contact cost (handshake:",
+        "metadata fetch + remote agent + descriptor list preparation).",
+        f"verified: {verified} pulls, {sum(c.verified_bytes for c in report.cases) / 2**30:.2f} GiB, byte-exact.",
+    ]
+    return "\n".join(lines)
+
+
+# --- files ---------------------------------------------------------------------------------------
+
+
+def write_json(report: BenchReport, path: str | Path) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=1) + b"\n")
+    log.info("wrote %s", out)
+
+
+def read_json(path: str | Path) -> BenchReport:
+    return msgspec.json.decode(Path(path).read_bytes(), type=BenchReport)
+
+
+def write_plot(report: BenchReport, path: str | Path) -> None:
+    """GB/s and % of ceiling against bytes per descriptor, one line per layout pair; a third panel
+    (GB/s against request size) when the run swept more than one request length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = report.cases
+    pairs = list(dict.fromkeys(c.pair for c in cases))
+    sweep = len({c.tokens for c in cases}) > 1
+    fig, axes = plt.subplots(1, 3 if sweep else 2, figsize=(16 if sweep else 11, 4.6))
+    colors = plt.get_cmap("tab10")
+    for i, pair in enumerate(pairs):
+        mine = sorted((c for c in cases if c.pair == pair), key=lambda c: (c.bytes_per_desc, c.bytes))
+        x = [c.bytes_per_desc for c in mine]
+        style = dict(color=colors(i % 10), marker="o", label=pair)
+        axes[0].plot(x, [c.gbps_median for c in mine], **style)
+        axes[0].vlines(x, [c.gbps_p90 for c in mine], [c.gbps_median for c in mine], color=colors(i % 10), alpha=0.5)
+        axes[1].plot(x, [c.pct_of_ceiling for c in mine], **style)
+        if sweep:
+            mine = sorted((c for c in cases if c.pair == pair), key=lambda c: (c.bytes, c.pattern))
+            axes[2].plot([c.bytes / 2**20 for c in mine], [c.gbps_median for c in mine], **style)
+    ceilings = [c.ceiling.gbps_median for c in cases]
+    if ceilings:
+        axes[0].axhline(float(np.median(ceilings)), color="gray", ls="--", lw=1,
+                        label=f"ceiling {np.median(ceilings):.1f} GB/s")
+        if sweep:
+            axes[2].axhline(float(np.median(ceilings)), color="gray", ls="--", lw=1, label="ceiling")
+    geo = report.options.geometry
+    titles = ("GB/s (median; bar down to p90)", "% of same-run copy ceiling", "GB/s vs request size")
+    for ax, title in zip(axes, titles):
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in axes[:2]:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bytes per descriptor (after merging)")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: _size(v)))
+    axes[0].set_ylabel("GB/s")
+    axes[0].set_ylim(bottom=0)
+    axes[1].set_ylim(0, max([105.0] + [c.pct_of_ceiling * 1.05 for c in cases]))
+    axes[1].set_ylabel("% of ceiling")
+    if sweep:
+        axes[2].set_xscale("log", base=2)
+        axes[2].set_xlabel("request size (MiB)")
+        axes[2].set_ylim(bottom=0)
+    patterns = ",".join(dict.fromkeys(c.pattern for c in cases))
+    fig.suptitle(
+        f"kvconnect bench: {geo.model}, {geo.dtype}, block {geo.block_size}, {patterns} ids, "
+        f"{report.options.prefill_device} -> {report.options.decode_device}", fontsize=11
+    )
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    log.info("wrote %s", out)

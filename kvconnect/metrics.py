@@ -1,0 +1,54 @@
+"""Prometheus metrics of one worker (its own registry, so several workers can share a process).
+
+Names follow vLLM's `nixl_*` connector metrics where they fit, under the `kvconnect_` prefix.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvconnect.errors import KVConnectError
+from kvconnect.transfer import PullStats
+
+_TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_BYTE_BUCKETS = tuple(float(2**k) for k in range(12, 36, 2))
+_DESC_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.xfer_time = Histogram("kvconnect_nixl_xfer_time_seconds", "READ posted -> complete", registry=r,
+                                   buckets=_TIME_BUCKETS)
+        self.post_time = Histogram("kvconnect_nixl_post_time_seconds", "planning + posting one READ", registry=r,
+                                   buckets=_TIME_BUCKETS)
+        self.pull_time = Histogram("kvconnect_pull_time_seconds", "pull requested -> blocks usable",
+                                   registry=r, buckets=_TIME_BUCKETS)
+        self.bytes = Histogram("kvconnect_nixl_bytes_transferred", "bytes per pull", registry=r,
+                               buckets=_BYTE_BUCKETS)
+        self.descs = Histogram("kvconnect_nixl_num_descriptors", "descriptors per pull after run merging",
+                               registry=r, buckets=_DESC_BUCKETS)
+        self.failed = Counter("kvconnect_nixl_num_failed_transfers", "failed pulls by error class",
+                              ["reason"], registry=r)
+        self.requests = Counter("kvconnect_requests", "finished requests by outcome", ["outcome"], registry=r)
+        self.recomputed = Counter("kvconnect_recomputed_prefills", "prompts recomputed after a failed pull",
+                                  registry=r)
+        self.leases_held = Gauge("kvconnect_leases_held", "prefill leases waiting for a reader", registry=r)
+        self.lease_blocks = Gauge("kvconnect_lease_blocks_held", "blocks held by leases", registry=r)
+        self.lease_outcomes = Gauge("kvconnect_leases_ended", "ended leases by outcome", ["outcome"], registry=r)
+        self.free_blocks = Gauge("kvconnect_free_blocks", "free KV blocks", registry=r)
+        self.running = Gauge("kvconnect_num_requests_running", "admitted requests", registry=r)
+        self.waiting = Gauge("kvconnect_num_requests_waiting", "requests queued for blocks", registry=r)
+
+    def on_pull_done(self, stats: PullStats, error: KVConnectError | None) -> None:
+        if error is not None:
+            self.failed.labels(type(error).__name__).inc()
+            return
+        self.xfer_time.observe(stats.transfer_s)
+        self.post_time.observe(stats.post_s)
+        self.pull_time.observe(stats.total_s)
+        self.bytes.observe(stats.bytes)
+        self.descs.observe(stats.num_descs_merged)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,95 @@
+"""The engine-facing halves of the connector: a lease keeper for prefill, a pull loader for decode.
+
+Token accounting (shared by both sides, so disaggregated equals aggregated): the engine computes a
+prompt of n tokens as a prefill of tokens [0, n-1) followed by a decode step on token n-1. So the
+decode side needs the KV of the first n-1 tokens, which live in `blocks_for(n - 1)` blocks; it
+recomputes the last prompt token itself. A one-token prompt has nothing to transfer.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvconnect.connector import KVConnector
+from kvconnect.errors import InvalidRequestError, KVConnectError
+from kvconnect.protocol import KVTransferParams
+from kvconnect.transfer import PullHandle
+
+log = logging.getLogger(__name__)
+
+
+def blocks_to_transfer(num_prompt_tokens: int, block_size: int) -> int:
+    return -(-(num_prompt_tokens - 1) // block_size) if num_prompt_tokens > 1 else 0
+
+
+def check_remote_blocks(params: KVTransferParams, num_prompt_tokens: int, block_size: int) -> None:
+    """InvalidRequestError unless the remote blocks are exactly what this prompt needs."""
+    need = blocks_to_transfer(num_prompt_tokens, block_size)
+    have = len(params.remote_block_ids or [])
+    if have != need:
+        raise InvalidRequestError(
+            "kv_transfer_params.remote_block_ids",
+            f"{have} blocks given, but a {num_prompt_tokens}-token prompt needs {need} (block size {block_size})",
+        )
+
+
+class LeaseKeeper:
+    """KVKeeper: lease a finished prefill's prompt blocks, free the rest, remember the params."""
+
+    def __init__(self, connector: KVConnector, free_blocks: callable, block_size: int) -> None:  # type: ignore[valid-type]
+        self._connector = connector
+        self._free = free_blocks
+        self._block_size = block_size
+        self.params: KVTransferParams | None = None
+        self.error: KVConnectError | None = None
+
+    def keep(self, request_id: str, block_ids: list[int], num_prompt_tokens: int) -> bool:
+        k = blocks_to_transfer(num_prompt_tokens, self._block_size)
+        if k == 0:
+            return False
+        try:
+            self.params = self._connector.lease(request_id, block_ids[:k], num_prompt_tokens)
+        except KVConnectError as e:
+            log.error("request %s: cannot lease its blocks: %s", request_id, e)
+            self.error = e
+            return False
+        if block_ids[k:]:
+            self._free(block_ids[k:])
+        return True
+
+
+class PullLoader:
+    """KVLoader: pull the remote prompt blocks into the blocks the engine allocated."""
+
+    def __init__(self, connector: KVConnector, params: KVTransferParams, policy: str, block_size: int) -> None:
+        self._connector = connector
+        self._params = params
+        self._policy = policy
+        self._block_size = block_size
+        self.handle: PullHandle | None = None
+        self.error: KVConnectError | None = None
+
+    @property
+    def policy(self) -> str:
+        return self._policy
+
+    def start(self, request_id: str, block_ids: list[int], num_prompt_tokens: int) -> PullLoader:
+        check_remote_blocks(self._params, num_prompt_tokens, self._block_size)
+        k = blocks_to_transfer(num_prompt_tokens, self._block_size)
+        self.handle = self._connector.pull(self._params, block_ids[:k], request_id)
+        return self
+
+    def poll(self) -> bool | None:
+        assert self.handle is not None
+        try:
+            return self.handle.poll()
+        except KVConnectError as e:
+            self.error = e
+            raise
+
+    def abandon(self) -> None:
+        """The request went away: stop the pull, or free the remote lease if it never started."""
+        if self.handle is not None:
+            self.handle.cancel()
+        else:
+            self._connector.release_remote(self._params)

@@ -1,0 +1,265 @@
+"""OpenAI-compatible worker (`kvconnect serve`): engine + connector behind Starlette.
+
+Roles follow vLLM's kv_role: `prefill` answers `do_remote_decode` requests by computing the prompt,
+leasing its blocks and returning kv_transfer_params; `decode` answers `do_remote_prefill` requests by
+pulling those blocks and generating; `both` does either, and plain requests too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvconnect import openai_api as api
+from kvconnect.config import ConnectorConfig, connector_config, env_setting
+from kvconnect.connector import KVConnector
+from kvconnect.engine.config import EngineConfig
+from kvconnect.engine.engine import Engine
+from kvconnect.engine.sampling import SamplingParams
+from kvconnect.engine.sequence import TokenEvent
+from kvconnect.errors import (
+    InvalidRequestError,
+    KVConnectError,
+    LayoutMismatchError,
+    LeaseLostError,
+    LocalError,
+    RemoteError,
+)
+from kvconnect.layout import LayoutKind
+from kvconnect.metrics import WorkerMetrics
+from kvconnect.pd import LeaseKeeper, PullLoader, check_remote_blocks
+from kvconnect.protocol import parse_kv_transfer_params
+
+log = logging.getLogger(__name__)
+ROLES = ("prefill", "decode", "both")
+MODEL_NAME = "kvconnect-tiny-llama"
+
+
+class Worker:
+    """One engine, one connector, and the HTTP handlers that join them."""
+
+    def __init__(self, role: str, engine_config: EngineConfig, conn_config: ConnectorConfig) -> None:
+        if role not in ROLES:
+            raise InvalidRequestError("role", f"must be one of {ROLES}")
+        self.role = role
+        self.engine = Engine(engine_config)
+        self.metrics = WorkerMetrics()
+        self.connector = KVConnector(self.engine.cache, conn_config, on_blocks_freed=self.engine.allocator.free,
+                                     on_pull_done=self.metrics.on_pull_done)
+        self.block_size = engine_config.block_size
+        self.engine.start()
+
+    def close(self) -> None:
+        self.engine.stop()
+        self.connector.close()
+
+    # --- request handling --------------------------------------------------------------------------
+
+    async def generate(self, request: Request, chat: bool) -> Response:
+        request_id = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
+        kv = None
+        try:
+            body = api.parse_body(await request.body(), chat)
+            kv = parse_kv_transfer_params(body.kv_transfer_params)
+            prompt_ids = self._tokenize(body)
+            sampling = SamplingParams(max_tokens=body.limit, temperature=body.temperature, top_p=body.top_p,
+                                      seed=body.seed, ignore_eos=body.ignore_eos)
+            keeper = loader = None
+            if kv is not None and kv.do_remote_decode:
+                if self.role == "decode":
+                    raise InvalidRequestError("kv_transfer_params.do_remote_decode", "this worker's role is decode")
+                keeper = LeaseKeeper(self.connector, self.engine.allocator.free, self.block_size)
+            elif kv is not None and kv.do_remote_prefill:
+                if self.role == "prefill":
+                    raise InvalidRequestError("kv_transfer_params.do_remote_prefill",
+                                              "this worker's role is prefill")
+                check_remote_blocks(kv, len(prompt_ids), self.block_size)
+                loader = PullLoader(self.connector, kv, self.connector.config.failure_policy, self.block_size)
+            events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+            loop = asyncio.get_running_loop()
+            self.engine.add_request(request_id, prompt_ids, sampling,
+                                    lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+                                    kv_loader=loader, kv_keeper=keeper)
+        except LocalError as e:
+            if kv is not None and kv.do_remote_prefill:
+                self.connector.release_remote(kv)  # refused: free the prefill's blocks now
+            self.metrics.requests.labels("rejected").inc()
+            return self._error(400, e)
+        first = await events.get()
+        if first.finished and first.finish_reason == "error":
+            return self._failed(first, loader)
+        tail = self._stream(request, request_id, body, first, events, keeper, loader, chat, len(prompt_ids))
+        if body.stream:
+            return StreamingResponse(tail, media_type="text/event-stream")
+        text, ids, finish = "", [], None
+        async for ev in self._events(request, request_id, first, events, loader):
+            if ev.token_id is not None:
+                ids.append(ev.token_id)
+            finish = ev.finish_reason.value if ev.finish_reason else finish
+            if finish == "error":
+                return self._failed(ev, loader)
+        text = self.engine.tokenizer.decode(ids)
+        self.metrics.requests.labels(finish or "unknown").inc()
+        out = api.completion_response(request_id, MODEL_NAME, text, ids, finish, len(prompt_ids), chat,
+                                      self._params_out(keeper), body.return_token_ids)
+        if loader is not None and loader.handle is not None and loader.handle.done() and loader.error is None:
+            out["kvconnect_transfer"] = msgspec.to_builtins(loader.handle.stats)
+        return JSONResponse(out)
+
+    async def _events(self, request: Request, request_id: str, first: TokenEvent,
+                      events: asyncio.Queue[TokenEvent], loader: PullLoader | None) -> AsyncIterator[TokenEvent]:
+        ev = first
+        try:
+            while True:
+                yield ev
+                if ev.finished:
+                    return
+                ev = await events.get()
+        except (asyncio.CancelledError, GeneratorExit):  # client went away
+            self.engine.abort(request_id)
+            if loader is not None:
+                loader.abandon()
+            raise
+
+    async def _stream(self, request: Request, request_id: str, body: api.GenerateBody, first: TokenEvent,
+                      events: asyncio.Queue[TokenEvent], keeper: LeaseKeeper | None, loader: PullLoader | None,
+                      chat: bool, num_prompt: int) -> AsyncIterator[bytes]:
+        decoder = self.engine.tokenizer.incremental_decoder()
+        is_first = True
+        async for ev in self._events(request, request_id, first, events, loader):
+            if ev.token_id is not None:
+                chunk = api.stream_chunk(request_id, MODEL_NAME, decoder.feed(ev.token_id), [ev.token_id], None,
+                                         chat, body.return_token_ids, first=is_first)
+                is_first = False
+                yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+            if ev.finished:
+                reason = ev.finish_reason.value if ev.finish_reason else None
+                self.metrics.requests.labels(reason or "unknown").inc()
+                if reason == "error":
+                    err = api.error_body(502, ev.error or "generation failed")
+                    yield b"data: " + json.dumps(err).encode() + b"\n\n"
+                else:
+                    chunk = api.stream_chunk(request_id, MODEL_NAME, decoder.flush(), [], reason, chat,
+                                             body.return_token_ids, first=is_first)
+                    chunk["kv_transfer_params"] = self._params_out(keeper)
+                    chunk["usage"] = {"prompt_tokens": num_prompt, "completion_tokens": ev.num_output_tokens,
+                                      "total_tokens": num_prompt + ev.num_output_tokens}
+                    yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    def _tokenize(self, body: api.GenerateBody) -> list[int]:
+        tok = self.engine.tokenizer
+        if body.messages is not None:
+            return tok.encode(tok.apply_chat_template([{"role": m.role, "content": m.content} for m in body.messages]))
+        if isinstance(body.prompt, str):
+            return tok.encode(body.prompt)
+        return list(body.prompt or [])
+
+    def _params_out(self, keeper: LeaseKeeper | None) -> dict[str, Any] | None:
+        if keeper is None or keeper.params is None:
+            return None
+        return msgspec.to_builtins(keeper.params)  # type: ignore[no-any-return]
+
+    def _failed(self, ev: TokenEvent, loader: PullLoader | None) -> Response:
+        self.metrics.requests.labels("error").inc()
+        error = loader.error if loader is not None else None
+        if isinstance(error, InvalidRequestError):
+            return self._error(400, error)
+        if isinstance(error, (LayoutMismatchError, LeaseLostError, RemoteError)) or error is not None:
+            return self._error(502, error, prefix="KV transfer from the prefill worker failed: ")
+        return JSONResponse(api.error_body(500, ev.error or "generation failed"), status_code=500)
+
+    @staticmethod
+    def _error(status: int, error: KVConnectError, prefix: str = "") -> JSONResponse:
+        field = getattr(error, "field", None)
+        return JSONResponse(api.error_body(status, prefix + f"{type(error).__name__}: {error}", field),
+                            status_code=status)
+
+    # --- small endpoints ---------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "role": self.role, "engine_id": self.connector.engine_id,
+                             "incarnation_id": self.connector.incarnation_id,
+                             "free_blocks": self.engine.allocator.num_free,
+                             "total_blocks": self.engine.allocator.num_total,
+                             "leased_blocks": self.connector.leases.num_blocks_held,
+                             "side_channel_port": self.connector.side_channel_port})
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": MODEL_NAME, "object": "model",
+                                                         "owned_by": "kvconnect"}]})
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        m, leases = self.metrics, self.connector.leases
+        m.leases_held.set(leases.num_held)
+        m.lease_blocks.set(leases.num_blocks_held)
+        for state, count in leases.counts.items():
+            m.lease_outcomes.labels(state.value).set(count)
+        m.free_blocks.set(self.engine.allocator.num_free)
+        m.running.set(self.engine.num_running)
+        m.waiting.set(self.engine.num_waiting)
+        return Response(m.render(), media_type="text/plain; version=0.0.4")
+
+    def app(self) -> Starlette:
+        async def completions(request: Request) -> Response:
+            return await self.generate(request, chat=False)
+
+        async def chat(request: Request) -> Response:
+            return await self.generate(request, chat=True)
+
+        return Starlette(routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/models", self.models),
+            Route("/health", self.health),
+            Route("/metrics", self.metrics_endpoint),
+        ])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--role", choices=ROLES, default=env_setting("ROLE", "both"))
+    p.add_argument("--host", default=env_setting("HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(env_setting("PORT", "8000") or 8000))
+    p.add_argument("--side-channel-host", default=None, help="bind address of the ZMQ side channel")
+    p.add_argument("--side-channel-port", type=int, default=None)
+    p.add_argument("--advertise-host", default=None, help="address peers dial (default: side-channel host)")
+    p.add_argument("--layout", choices=[k.value for k in LayoutKind], default=env_setting("LAYOUT", "blocks_first"))
+    p.add_argument("--block-size", type=int, default=int(env_setting("BLOCK_SIZE", "16") or 16))
+    p.add_argument("--num-blocks", type=int, default=int(env_setting("NUM_BLOCKS", "1024") or 1024))
+    p.add_argument("--device", default=env_setting("DEVICE", "cpu"))
+    p.add_argument("--engine-id", default=None)
+    p.add_argument("--lease-ttl-s", type=float, default=None)
+    p.add_argument("--failure-policy", choices=["fail", "recompute"], default=None)
+
+
+def build_worker(args: argparse.Namespace) -> Worker:
+    conn = connector_config(
+        engine_id=args.engine_id, side_channel_host=args.side_channel_host, side_channel_port=args.side_channel_port,
+        advertise_host=args.advertise_host, lease_ttl_s=args.lease_ttl_s, failure_policy=args.failure_policy,
+    )
+    engine = EngineConfig(layout=LayoutKind(args.layout), block_size=args.block_size, num_blocks=args.num_blocks,
+                          device=args.device)
+    return Worker(args.role, engine, conn)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    worker = build_worker(args)
+    try:
+        uvicorn.run(worker.app(), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    finally:
+        worker.close()
+    return 0
