@@ -100,7 +100,8 @@ class BenchReport(msgspec.Struct):
     schema: str
     command: list[str]
     options: BenchOptions
-    environment: dict[str, str]
+    environment: dict[str, str]  # UCX_*, NIXL_*, CUDA_VISIBLE_DEVICES as the run saw them
+    system: dict[str, str]  # versions, CPU model, GPU names; nothing that names the host
     cases: list[CaseResult] = []
 
 
@@ -186,6 +187,13 @@ def _size(nbytes: float) -> str:
     return f"{nbytes:.0f}B"
 
 
+def _row(cells: list[str]) -> str:
+    """First column left-aligned, the rest right-aligned, each to its column's width."""
+    widths = [w for _, w, _ in _COLUMNS]
+    first = cells[0].ljust(widths[0])
+    return "  ".join([first] + [c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True)])
+
+
 def format_table(report: BenchReport) -> str:
     """The human-readable report: geometry and environment, one row per case, a legend."""
     opts, geo = report.options, report.options.geometry
@@ -198,11 +206,11 @@ def format_table(report: BenchReport) -> str:
         "env: " + (" ".join(f"{k}={v}" for k, v in sorted(env.items()) if k.startswith(("UCX_", "NIXL_")))
                    or "(UCX defaults)"),
         "",
-        "  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w, _) in enumerate(_COLUMNS)),
+        _row([h for h, _, _ in _COLUMNS]),
     ]
-    for case in report.cases:
-        lines.append("  ".join(f(case).rjust(w) if i else f(case).ljust(w) for i, (_, w, f) in enumerate(_COLUMNS)))
+    lines += [_row([f(case) for _, _, f in _COLUMNS]) for case in report.cases]
     verified = sum(c.verified_pulls for c in report.cases)
+    verified_gib = sum(c.verified_bytes for c in report.cases) / 2**30
     lines += [
         "",
         "layout pair = prefill:decode. descs/merged = descriptors per request before/after merging runs of",
@@ -213,7 +221,7 @@ def format_table(report: BenchReport) -> str:
         "lease confirmation included). ceil = plain local copy of the same bytes in the same run",
         f"({report.cases[0].ceiling.kind if report.cases else '-'}); 1st ms = first-contact cost (handshake:",
         "metadata fetch + remote agent + descriptor list preparation).",
-        f"verified: {verified} pulls, {sum(c.verified_bytes for c in report.cases) / 2**30:.2f} GiB, byte-exact.",
+        f"verified: {verified} pulls, {verified_gib:.2f} GiB, byte-exact.",
     ]
     return "\n".join(lines)
 
@@ -250,7 +258,8 @@ def write_plot(report: BenchReport, path: str | Path) -> None:
         x = [c.bytes_per_desc for c in mine]
         style = dict(color=colors(i % 10), marker="o", label=pair)
         axes[0].plot(x, [c.gbps_median for c in mine], **style)
-        axes[0].vlines(x, [c.gbps_p90 for c in mine], [c.gbps_median for c in mine], color=colors(i % 10), alpha=0.5)
+        axes[0].vlines(x, [c.gbps_p90 for c in mine], [c.gbps_median for c in mine], color=colors(i % 10),
+                       alpha=0.5)
         axes[1].plot(x, [c.pct_of_ceiling for c in mine], **style)
         if sweep:
             mine = sorted((c for c in cases if c.pair == pair), key=lambda c: (c.bytes, c.pattern))
@@ -263,7 +272,7 @@ def write_plot(report: BenchReport, path: str | Path) -> None:
             axes[2].axhline(float(np.median(ceilings)), color="gray", ls="--", lw=1, label="ceiling")
     geo = report.options.geometry
     titles = ("GB/s (median; bar down to p90)", "% of same-run copy ceiling", "GB/s vs request size")
-    for ax, title in zip(axes, titles):
+    for ax, title in zip(axes, titles, strict=False):
         ax.set_title(title, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)

@@ -24,11 +24,17 @@ def blocks_to_transfer(num_prompt_tokens: int, block_size: int) -> int:
 
 def check_remote_blocks(params: KVTransferParams, num_prompt_tokens: int, block_size: int) -> None:
     """InvalidRequestError unless the remote blocks are exactly what this prompt needs."""
+    ids = params.remote_block_ids or []
+    field = "kv_transfer_params.remote_block_ids"
+    if any(b < 0 for b in ids):
+        raise InvalidRequestError(field, f"negative block ids {[b for b in ids if b < 0][:8]}")
+    if len(set(ids)) != len(ids):
+        raise InvalidRequestError(field, "duplicated block ids")
     need = blocks_to_transfer(num_prompt_tokens, block_size)
-    have = len(params.remote_block_ids or [])
+    have = len(ids)
     if have != need:
         raise InvalidRequestError(
-            "kv_transfer_params.remote_block_ids",
+            field,
             f"{have} blocks given, but a {num_prompt_tokens}-token prompt needs {need} (block size {block_size})",
         )
 
@@ -74,9 +80,13 @@ class PullLoader:
         return self._policy
 
     def start(self, request_id: str, block_ids: list[int], num_prompt_tokens: int) -> PullLoader:
-        check_remote_blocks(self._params, num_prompt_tokens, self._block_size)
-        k = blocks_to_transfer(num_prompt_tokens, self._block_size)
-        self.handle = self._connector.pull(self._params, block_ids[:k], request_id)
+        try:
+            check_remote_blocks(self._params, num_prompt_tokens, self._block_size)
+            k = blocks_to_transfer(num_prompt_tokens, self._block_size)
+            self.handle = self._connector.pull(self._params, block_ids[:k], request_id)
+        except KVConnectError as e:
+            self.error = e
+            raise
         return self
 
     def poll(self) -> bool | None:

@@ -192,7 +192,7 @@ def decode_notif(data: bytes) -> PullNotif:
 # --- kv_transfer_params (JSON inside the OpenAI body) --------------------------------------------
 
 
-class KVTransferParams(msgspec.Struct, omit_defaults=True):
+class KVTransferParams(msgspec.Struct):
     """vLLM/llm-d `kv_transfer_params`; unknown fields are ignored."""
 
     do_remote_decode: bool = False

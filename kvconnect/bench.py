@@ -1,0 +1,366 @@
+"""`kvconnect bench`: pull KV-shaped requests between two processes and report throughput against a
+copy ceiling measured in the same run.
+
+The prefill side runs in a spawned process with its own connector (NIXL agent, ZMQ side channel on
+127.0.0.1) and leases blocks on request; the decode side, in this process, pulls them through the
+public connector API (`lease` -> `pull` -> `PullHandle.wait`) and verifies every byte. One *case* is a
+(layout pair, request length, block-id pattern); both sides get a fresh cache and connector per case,
+so each case reports its own first-contact cost. See `bench_pull.py` for the two sides and
+`bench_report.py` for the table, JSON and plot.
+
+    kvconnect bench --model llama-3-8b --tokens 4096 --pattern scattered --reps 5 \\
+        --json results/cpu/x.json --plot results/cpu/x.png
+    kvconnect bench --prefill-device cuda:0 --decode-device cuda:1 --tokens 256,1024,4096 \\
+        --ucx UCX_CUDA_IPC_MAX_STREAMS=4
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import platform
+import re
+import sys
+from collections.abc import Iterator
+from importlib import metadata
+
+import numpy as np
+
+from kvconnect.bench_report import SCHEMA, BenchOptions, BenchReport, Geometry
+from kvconnect.errors import ConfigError, KVConnectError
+from kvconnect.layout import DTYPE_BYTES, LayoutKind
+
+log = logging.getLogger(__name__)
+
+# (num_layers, num_kv_heads, head_dim)
+PRESETS = {
+    "llama-3-8b": (32, 8, 128),
+    "llama-3-70b": (80, 8, 128),
+    "small": (4, 2, 64),  # 32 KiB per 16-token block: CI-sized
+}
+LAYOUTS = [k.value for k in LayoutKind]
+SAME_PAIRS = [(k, k) for k in ("kv_first", "blocks_first", "cross_layer")]
+_ENV_NAME = re.compile(r"^UCX_[A-Z0-9_]+$")
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+# --- argument types (each raises ArgumentTypeError with a message naming what is allowed) ----------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    return 0 if text.strip() == "0" else _positive_int(text)
+
+
+def parse_tokens(text: str) -> list[int]:
+    """`4096`, `256,1024,4096`, or `256..4096` (doubling)."""
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if ".." in part:
+            lo_text, hi_text = part.split("..", 1)
+            lo, hi = _positive_int(lo_text), _positive_int(hi_text)
+            if hi < lo:
+                raise argparse.ArgumentTypeError(f"range {part!r} runs backwards")
+            while lo <= hi:
+                out.append(lo)
+                lo *= 2
+        else:
+            out.append(_positive_int(part))
+    if not out:
+        raise argparse.ArgumentTypeError("no token counts given")
+    return out
+
+
+def parse_layout_pairs(text: str) -> list[tuple[str, str]]:
+    """`PREFILL:DECODE[,...]`; a bare layout means the same on both sides; `same`, `all`."""
+    out: list[tuple[str, str]] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if part == "same":
+            out += SAME_PAIRS
+        elif part == "all":
+            out += [(a, b) for a in LAYOUTS for b in LAYOUTS]
+        else:
+            sides = part.split(":")
+            if len(sides) == 1:
+                sides = sides * 2
+            bad = [s for s in sides if s not in LAYOUTS]
+            if len(sides) != 2 or bad:
+                raise argparse.ArgumentTypeError(
+                    f"bad layout pair {part!r}: expected PREFILL:DECODE with layouts from "
+                    f"{', '.join(LAYOUTS)} (or 'same', 'all')")
+            out.append((sides[0], sides[1]))
+    if not out:
+        raise argparse.ArgumentTypeError("no layout pairs given")
+    return list(dict.fromkeys(out))
+
+
+def parse_patterns(text: str) -> list[str]:
+    """`contiguous`, `scattered`, `runs:K`, comma-separated for a sweep."""
+    out: list[str] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        m = re.fullmatch(r"runs:(\d+)", part)
+        if part in ("contiguous", "scattered"):
+            out.append(part)
+        elif m and int(m.group(1)) >= 1:
+            out.append("scattered" if int(m.group(1)) == 1 else part)
+        else:
+            raise argparse.ArgumentTypeError(
+                f"bad pattern {part!r}: expected contiguous, scattered or runs:K with K >= 1")
+    if not out:
+        raise argparse.ArgumentTypeError("no pattern given")
+    return list(dict.fromkeys(out))
+
+
+def parse_ucx(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not _ENV_NAME.match(key):
+        raise argparse.ArgumentTypeError(
+            f"bad --ucx {text!r}: expected UCX_NAME=VALUE, e.g. UCX_TLS=tcp,cma,self")
+    return key, value
+
+
+def parse_device(text: str) -> str:
+    if not _DEVICE.match(text):
+        raise argparse.ArgumentTypeError(f"bad device {text!r}: expected cpu, cuda or cuda:N")
+    return "cuda:0" if text == "cuda" else text
+
+
+def _cache_factor(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 1.0:
+        raise argparse.ArgumentTypeError(f"must be >= 1.0, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("geometry")
+    g.add_argument("--model", choices=sorted(PRESETS), default=None,
+                   help="geometry preset (default llama-3-8b unless all three of the flags below are given)")
+    g.add_argument("--num-layers", type=_positive_int)
+    g.add_argument("--num-kv-heads", type=_positive_int)
+    g.add_argument("--head-dim", type=_positive_int)
+    g.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16")
+    g.add_argument("--block-size", type=_positive_int, default=16, help="tokens per paged block")
+    w = parser.add_argument_group("workload")
+    w.add_argument("--tokens", type=parse_tokens, default=None, nargs="+",
+                   help="request length(s) (default 4096): 4096, 256,1024 or 256..4096 (doubling); "
+                        "several make a sweep")
+    w.add_argument("--layouts", type=parse_layout_pairs, default=None,
+                   help="PREFILL:DECODE pairs, comma-separated, e.g. "
+                        "kv_first:kv_first,blocks_first:cross_layer; a bare layout means both sides; "
+                        "'same' (default) or 'all' (nine pairs)")
+    w.add_argument("--pattern", type=parse_patterns, default=None,
+                   help="block ids: contiguous, scattered (default) or runs:K; comma-separated for a sweep")
+    w.add_argument("--cache-factor", type=_cache_factor, default=1.25,
+                   help="each side's cache holds this many times the request's blocks (ids drawn from it)")
+    w.add_argument("--reps", type=_positive_int, default=5, help="timed pulls per case")
+    w.add_argument("--warmup", type=_non_negative_int, default=1,
+                   help="untimed pulls per case after the first-contact pull")
+    w.add_argument("--seed", type=int, default=0)
+    m = parser.add_argument_group("memory and transport")
+    m.add_argument("--prefill-device", type=parse_device, default="cpu", help="cpu (DRAM) or cuda:N (VRAM)")
+    m.add_argument("--decode-device", type=parse_device, default="cpu", help="cpu (DRAM) or cuda:N (VRAM)")
+    m.add_argument("--ucx", type=parse_ucx, action="append", default=[], metavar="UCX_KEY=VAL",
+                   help="exported to both processes before NIXL loads (repeatable)")
+    m.add_argument("--nixl-threads", type=_non_negative_int, default=0, help="UCX worker threads per agent")
+    m.add_argument("--confirm", action=argparse.BooleanOptionalAction, default=True,
+                   help="lease confirmation round trip before blocks count as usable (default on)")
+    m.add_argument("--pull-timeout", type=float, default=60.0, help="seconds per pull")
+    o = parser.add_argument_group("output")
+    o.add_argument("--json", metavar="PATH", help="write every figure and the environment as JSON")
+    o.add_argument("--plot", metavar="PATH",
+                   help="write a PNG: GB/s and %% of ceiling vs bytes per descriptor")
+    o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar on stderr (default: when stderr is a terminal)")
+
+
+def geometry_from_args(args: argparse.Namespace) -> Geometry:
+    explicit = {"num_layers": args.num_layers, "num_kv_heads": args.num_kv_heads, "head_dim": args.head_dim}
+    given = {k: v for k, v in explicit.items() if v is not None}
+    if args.model is None and given and len(given) < 3:
+        missing = ", ".join("--" + k.replace("_", "-") for k in explicit if k not in given)
+        raise ConfigError(
+            f"give --model, or all of --num-layers/--num-kv-heads/--head-dim (missing {missing})")
+    model = args.model or ("custom" if given else "llama-3-8b")
+    layers, heads, dim = PRESETS.get(model, (0, 0, 0))
+    if args.model and given:
+        model += " (" + ", ".join(f"{k}={v}" for k, v in given.items()) + ")"
+    return Geometry(model=model, num_layers=given.get("num_layers", layers),
+                    num_kv_heads=given.get("num_kv_heads", heads), head_dim=given.get("head_dim", dim),
+                    dtype=args.dtype, block_size=args.block_size)
+
+
+def options_from_args(args: argparse.Namespace) -> BenchOptions:
+    flat = [t for item in (args.tokens or [[4096]]) for t in item]
+    devices = {args.prefill_device.split(":")[0], args.decode_device.split(":")[0]}
+    if "cuda" in devices:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("a cuda device was asked for but torch sees no CUDA device")
+        count = torch.cuda.device_count()
+        for dev in (args.prefill_device, args.decode_device):
+            if dev.startswith("cuda") and int(dev.split(":")[1]) >= count:
+                raise ConfigError(f"device {dev} does not exist (torch sees {count} CUDA devices)")
+    return BenchOptions(
+        geometry=geometry_from_args(args),
+        tokens=list(dict.fromkeys(flat)),
+        layout_pairs=args.layouts or SAME_PAIRS,
+        patterns=args.pattern or ["scattered"],
+        reps=args.reps,
+        warmup=args.warmup,
+        seed=args.seed,
+        cache_factor=args.cache_factor,
+        prefill_device=args.prefill_device,
+        decode_device=args.decode_device,
+        ucx_env=dict(args.ucx),
+        nixl_threads=args.nixl_threads,
+        confirm=args.confirm,
+        pull_timeout_s=args.pull_timeout,
+        progress=args.progress,
+    )
+
+
+# --- running -------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def exported(env: dict[str, str]) -> Iterator[None]:
+    """Set environment variables (UCX reads them when an agent is created) and restore them after."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def transport_env() -> dict[str, str]:
+    """The variables that shape NIXL/UCX (no hostnames, no secrets)."""
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith(("UCX_", "NIXL_")) or k == "CUDA_VISIBLE_DEVICES"}
+
+
+def system_info(opts: BenchOptions) -> dict[str, str]:
+    import torch
+
+    from kvconnect.agent import nixl_module
+
+    build = nixl_module()[0].__name__.split(".")[0]
+    info = {
+        "python": platform.python_version(),
+        "platform": f"{platform.system()} {platform.release()} {platform.machine()}",
+        "cpu_count": str(os.cpu_count()),
+        "cpu_model": _cpu_model(),
+        "torch": str(torch.__version__),
+        "numpy": str(np.__version__),
+        "nixl_build": build,
+        "nixl": _dist_version(build.replace("_", "-")),
+        "kvconnect": _dist_version("kvconnect"),
+    }
+    for side in ("prefill", "decode"):
+        dev = getattr(opts, f"{side}_device")
+        if dev.startswith("cuda"):
+            info[f"{side}_gpu"] = torch.cuda.get_device_name(torch.device(dev))
+            info["torch_cuda"] = str(torch.version.cuda)
+    return info
+
+
+def _dist_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "?"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def _invoked_command() -> list[str]:
+    argv = sys.argv[1:]
+    return ["kvconnect", *argv[argv.index("bench"):]] if "bench" in argv else []
+
+
+def run_bench(opts: BenchOptions, command: list[str] | None = None) -> BenchReport:
+    """Run every case; raises KVConnectError (a byte mismatch included) on the first failure."""
+    import torch
+    from tqdm import tqdm
+
+    from kvconnect.bench_pull import PrefillPeer, measure_case
+    from kvconnect.config import ConnectorConfig
+
+    if opts.decode_device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(opts.decode_device))  # before the connector exists
+    common = dict(side_channel_host="127.0.0.1", confirm_reads=opts.confirm, nixl_threads=opts.nixl_threads,
+                  pull_timeout_s=opts.pull_timeout_s, lease_ttl_s=max(60.0, 2 * opts.pull_timeout_s))
+    prefill_cfg = ConnectorConfig(engine_id="bench-prefill", **common)  # type: ignore[arg-type]
+    decode_cfg = ConnectorConfig(engine_id="bench-decode", **common)  # type: ignore[arg-type]
+    cases = [(pair, pattern, tokens) for pattern in opts.patterns for tokens in opts.tokens
+             for pair in opts.layout_pairs]
+    report = BenchReport(SCHEMA, command or [], opts, transport_env(), system_info(opts))
+    pulls_per_case = 1 + opts.warmup + opts.reps
+    bar = tqdm(total=len(cases) * pulls_per_case, unit="pull", file=sys.stderr, dynamic_ncols=True,
+               disable=(not sys.stderr.isatty()) if opts.progress is None else not opts.progress)
+    peer = PrefillPeer.start(transport_env(), opts.prefill_device, prefill_cfg)
+    try:
+        for index, (pair, pattern, tokens) in enumerate(cases):
+            bar.set_postfix_str(f"{pair[0]}:{pair[1]} {tokens} tokens {pattern}")
+            case = measure_case(peer, opts, index, pair, pattern, tokens, decode_cfg, lambda: bar.update(1))
+            report.cases.append(case)
+            log.info("%s %d tokens %s: %.2f GB/s (%.0f%% of %.2f), %d descs -> %d",
+                     case.pair, tokens, pattern, case.gbps_median, case.pct_of_ceiling,
+                     case.ceiling.gbps_median, case.num_descs, case.num_descs_merged)
+    finally:
+        bar.close()
+        peer.stop()
+    return report
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvconnect.bench_report import format_table, write_json, write_plot
+
+    try:
+        opts = options_from_args(args)
+    except ConfigError as e:
+        log.error("kvconnect bench: %s", e)
+        return 2
+    try:
+        with exported({"NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN"), **opts.ucx_env}):
+            report = run_bench(opts, _invoked_command())
+    except KVConnectError as e:
+        log.error("kvconnect bench failed: %s", e)
+        return 1
+    if report.command:
+        print("$ " + " ".join(report.command))
+    print(format_table(report), flush=True)
+    if args.json:
+        write_json(report, args.json)
+    if args.plot:
+        write_plot(report, args.plot)
+    return 0

@@ -1,0 +1,169 @@
+"""End to end over HTTP: prefill, decode and aggregated workers plus the proxy, as real processes."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from kvconnect.demo import Cluster, complete
+
+# 50+ prompts: shorter than a block, exactly a block (16 tokens incl. BOS), many blocks, ragged.
+PROMPTS = (
+    ["", "a", "ab", "hello", "x" * 14, "y" * 15, "z" * 16, "w" * 17, "v" * 31, "u" * 32, "t" * 33]
+    + [f"prompt {i}: " + "lorem ipsum dolor sit amet " * (i % 7) for i in range(30)]
+    + ["The KV cache of a long prompt spans many blocks. " * k for k in (1, 2, 3, 5, 8)]
+    + ["ragged\n\ttext with ünïcödé ✓ " * k for k in (1, 2, 4)]
+    + ["0123456789" * k for k in (3, 6, 9)]
+)
+PROMPTS = [p for p in PROMPTS if p]  # the OpenAI API refuses empty prompts
+
+
+def health(url: str) -> dict:
+    return httpx.get(url + "/health", timeout=5).json()
+
+
+def poll_until(predicate, timeout_s: float = 15.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"{what} not reached within {timeout_s}s")
+
+
+def check_all_equal(cluster: Cluster, prompts: list[str], max_tokens: int = 6) -> None:
+    def one(prompt: str):
+        d = complete(cluster.urls["proxy"], prompt, max_tokens)
+        a = complete(cluster.urls["aggregated"], prompt, max_tokens)
+        return prompt, d, a
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        for prompt, d, a in pool.map(one, prompts):
+            assert d["status"] == 200, (prompt, d)
+            assert d["token_ids"] == a["token_ids"], prompt
+            assert len(d["token_ids"]) == max_tokens or d["token_ids"][-1:] != []
+
+
+@pytest.mark.parametrize(("prefill_layout", "decode_layout"), [
+    ("blocks_first", "blocks_first"),
+    ("kv_first", "kv_first"),
+    ("cross_layer", "cross_layer"),
+    ("kv_first", "cross_layer"),
+    ("cross_layer", "blocks_first"),
+])
+def test_disaggregated_equals_aggregated(prefill_layout: str, decode_layout: str) -> None:
+    assert len(PROMPTS) >= 50
+    with Cluster(prefill_layout, decode_layout) as cluster:
+        check_all_equal(cluster, PROMPTS)
+        poll_until(lambda: health(cluster.urls["prefill"])["leased_blocks"] == 0, what="leases released")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with Cluster("cross_layer", "blocks_first", extra_args={"prefill": ["--lease-ttl-s", "60"]}) as c:
+        yield c
+
+
+def test_concurrent_streaming_and_not_leave_nothing_behind(cluster: Cluster) -> None:
+    before = {name: health(cluster.urls[name])["free_blocks"] for name in ("prefill", "decode")}
+    prompts = [f"concurrent request {i} " * (1 + i % 5) for i in range(24)]
+    with cf.ThreadPoolExecutor(24) as pool:
+        futures = [pool.submit(complete, cluster.urls["proxy"], p, 8, i % 2 == 0, i % 3 == 0)
+                   for i, p in enumerate(prompts)]
+        refs = [pool.submit(complete, cluster.urls["aggregated"], p, 8, False, i % 3 == 0)
+                for i, p in enumerate(prompts)]
+        results = [f.result() for f in futures]
+        expected = [f.result() for f in refs]
+    for got, want in zip(results, expected):
+        assert got["status"] == 200 and got["token_ids"] == want["token_ids"]
+    poll_until(lambda: health(cluster.urls["prefill"])["leased_blocks"] == 0, what="no leased blocks")
+    poll_until(lambda: {n: health(cluster.urls[n])["free_blocks"] for n in before} == before,
+               what="free blocks back to the start")
+
+
+def test_hand_driven_legs_use_vllm_field_names(cluster: Cluster) -> None:
+    prompt = "a hand-driven prefill leg, as the llm-d sidecar sends it"
+    leg = {"prompt": prompt, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    r = httpx.post(cluster.urls["prefill"] + "/v1/completions", json=leg, headers={"x-request-id": "hand-1"},
+                   timeout=30)
+    assert r.status_code == 200
+    params = r.json()["kv_transfer_params"]
+    for name in ("do_remote_prefill", "remote_engine_id", "remote_block_ids", "remote_host", "remote_port",
+                 "remote_request_id", "tp_size"):
+        assert name in params
+    assert params["do_remote_prefill"] is True and params["remote_request_id"] == "hand-1"
+    assert health(cluster.urls["prefill"])["leased_blocks"] == len(params["remote_block_ids"])
+    body = {"prompt": prompt, "max_tokens": 6, "return_token_ids": True, "kv_transfer_params": params}
+    d = httpx.post(cluster.urls["decode"] + "/v1/completions", json=body, timeout=30).json()
+    a = complete(cluster.urls["aggregated"], prompt, 6)
+    assert d["choices"][0]["token_ids"] == a["token_ids"]
+    assert d["kvconnect_transfer"]["num_blocks"] == len(params["remote_block_ids"])
+    poll_until(lambda: health(cluster.urls["prefill"])["leased_blocks"] == 0, what="lease released")
+
+
+@pytest.mark.parametrize(("patch", "field"), [
+    ({"remote_port": "not-a-port"}, "kv_transfer_params.remote_port"),
+    ({"remote_block_ids": None}, "kv_transfer_params.remote_block_ids"),
+    ({"remote_block_ids": [1, 1]}, "kv_transfer_params.remote_block_ids"),
+    ({"remote_block_ids": [-3]}, "kv_transfer_params.remote_block_ids"),
+    ({"remote_block_ids": [1, 2, 3, 4, 5, 6]}, "kv_transfer_params.remote_block_ids"),  # more than needed
+    ({"remote_host": None}, "kv_transfer_params.remote_host"),
+    ({"tp_size": 2}, "kv_transfer_params.tp_size"),
+])
+def test_malformed_kv_transfer_params_get_400_naming_the_field(cluster: Cluster, patch: dict, field: str) -> None:
+    params = {"do_remote_prefill": True, "remote_engine_id": "demo-prefill", "remote_block_ids": [1],
+              "remote_host": "127.0.0.1", "remote_port": 5999, "remote_request_id": "x", "tp_size": 1}
+    params.update(patch)
+    params = {k: v for k, v in params.items() if v is not None}
+    r = httpx.post(cluster.urls["decode"] + "/v1/completions",
+                   json={"prompt": "hello", "max_tokens": 2, "kv_transfer_params": params}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+
+
+def test_proxy_ignores_client_chosen_destinations(cluster: Cluster) -> None:
+    evil = {"do_remote_prefill": True, "remote_engine_id": "evil", "remote_block_ids": [1],
+            "remote_host": "127.0.0.2", "remote_port": 1, "remote_request_id": "x"}
+    r = httpx.post(cluster.urls["proxy"] + "/v1/completions",
+                   json={"prompt": "hello there", "max_tokens": 3, "return_token_ids": True,
+                         "kv_transfer_params": evil}, timeout=30)
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["token_ids"] == complete(cluster.urls["aggregated"], "hello there", 3)["token_ids"]
+
+
+def test_proxy_does_not_import_nixl() -> None:
+    code = "import sys, kvconnect.proxy; bad = [m for m in sys.modules if m.startswith('nixl')]; print(bad)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_decode_with_dead_prefill_fails_clearly_within_deadline() -> None:
+    with Cluster("blocks_first", "blocks_first") as c:
+        leg = {"prompt": "the prefill worker dies after this", "max_tokens": 1,
+               "kv_transfer_params": {"do_remote_decode": True}}
+        params = httpx.post(c.urls["prefill"] + "/v1/completions", json=leg, timeout=30).json()["kv_transfer_params"]
+        c.procs["prefill"].send_signal(signal.SIGKILL)
+        c.procs["prefill"].wait(10)
+        t0 = time.monotonic()
+        r = httpx.post(c.urls["decode"] + "/v1/completions",
+                       json={"prompt": leg["prompt"], "max_tokens": 4, "kv_transfer_params": params}, timeout=60)
+        elapsed = time.monotonic() - t0
+        assert r.status_code == 502, r.text
+        assert "prefill" in r.json()["error"]["message"] and "Handshake" in r.json()["error"]["message"]
+        assert elapsed < 15
+        # the proxy reports a dead prefill leg clearly too
+        r = httpx.post(c.urls["proxy"] + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 502 and "prefill worker" in r.json()["error"]["message"]
+        assert health(c.urls["decode"])["free_blocks"] == health(c.urls["decode"])["total_blocks"]
+
+
+if os.environ.get("KVCONNECT_SKIP_SLOW"):  # pragma: no cover
+    pytestmark = pytest.mark.skip("KVCONNECT_SKIP_SLOW set")
