@@ -145,7 +145,7 @@ def _reference_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         v = v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q.transpose(0, 1), k.permute(1, 2, 0)) * scale  # (H, Tq, S)
     t_q, s = q.shape[0], seq.seq_len
-    if False:  # query i sits at position s - t_q + i and sees keys [0, that position]
+    if t_q > 1:  # query i sits at position s - t_q + i and sees keys [0, that position]
         allowed = torch.ones(t_q, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t_q)
         scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)

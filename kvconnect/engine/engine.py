@@ -97,6 +97,8 @@ class Engine:
             self._shutdown()
             return
         self._wake.set()
+        if thread is threading.current_thread():  # stop() from an on_event callback: the loop exits itself
+            return
         thread.join(timeout_s)
         if thread.is_alive():
             logger.error("engine thread did not stop within %.1f s", timeout_s)

@@ -11,6 +11,8 @@ None (or False) while loading, True once the KV of prompt tokens [0, n-1) is in 
 exception (a kvconnect error) on failure. On failure, `policy == "recompute"` makes the engine compute
 the prompt itself; any other policy finishes the request with "error". An aborted request's blocks are
 only freed once its handle has stopped writing (poll returned or raised).
+
+Both hooks run on the engine thread, between steps: they must return quickly and never block.
 """
 
 from __future__ import annotations
