@@ -15,6 +15,7 @@ import msgspec
 from kvconnect.errors import ConfigError
 
 ENV_PREFIX = "KVCONNECT_"
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "*")  # bind addresses that name no one host
 
 
 class ConnectorConfig(msgspec.Struct, kw_only=True):
@@ -31,17 +32,28 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
     telemetry: bool = False  # NIXL per-transfer telemetry (issued descriptor counts)
     failure_policy: str = "fail"  # "fail" or "recompute" when a pull fails
     poll_interval_s: float = 0.001  # I/O loop tick: notifications, deadlines, lease expiry
+    transport: str = "auto"  # "auto" (CUDA IPC gather for same-host GPU peers, else NIXL), "nixl", "ipc"
 
     def __post_init__(self) -> None:
         if not self.engine_id:
             self.engine_id = f"kvc-{uuid.uuid4().hex[:12]}"
         if not self.advertise_host:
+            if self.side_channel_host in WILDCARD_HOSTS:
+                raise ConfigError(
+                    f"side_channel_host {self.side_channel_host!r} binds every interface, so it is no address a "
+                    "peer can dial: set advertise_host (KVCONNECT_ADVERTISE_HOST, --advertise-host) to this "
+                    "worker's reachable address, e.g. the pod IP"
+                )
             self.advertise_host = self.side_channel_host
+        elif self.advertise_host in WILDCARD_HOSTS:
+            raise ConfigError(f"advertise_host {self.advertise_host!r} is a wildcard, not an address peers can dial")
         if not 0 <= self.side_channel_port < 65536:
             raise ConfigError(f"side_channel_port {self.side_channel_port} is not a TCP port")
         for name in ("lease_ttl_s", "handshake_timeout_s", "pull_timeout_s", "poll_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.transport not in ("auto", "nixl", "ipc"):
+            raise ConfigError(f"transport must be 'auto', 'nixl' or 'ipc', got {self.transport!r}")
         if self.failure_policy not in ("fail", "recompute"):
             raise ConfigError(f"failure_policy must be 'fail' or 'recompute', got {self.failure_policy!r}")
 

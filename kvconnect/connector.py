@@ -81,6 +81,16 @@ class KVConnector:
             [[addr, self.spec.region_bytes, cache.device_id] for addr in cache.base_addrs()], dtype=np.int64
         )
         self.agent.register(regions, self.mem)
+        ipc_handles, ipc_offsets, host = [], [], ""
+        if self.spec.device == "cuda" and config.transport != "nixl":
+            from kvconnect import peer_copy
+
+            try:
+                exported = [peer_copy.export_region(addr) for addr in cache.base_addrs()]
+                ipc_handles, ipc_offsets = [h for h, _ in exported], [o for _, o in exported]
+                host = peer_copy.host_id()
+            except peer_copy.PeerCopyError as e:
+                log.warning("CUDA IPC export unavailable, peers will use NIXL: %s", e)
         self._peer_info = p.PeerInfo(
             protocol_version=p.PROTOCOL_VERSION,
             engine_id=self.engine_id,
@@ -90,6 +100,9 @@ class KVConnector:
             spec=self.spec,
             base_addrs=cache.base_addrs(),
             device_id=cache.device_id,
+            host_id=host,
+            ipc_handles=ipc_handles,
+            ipc_offsets=ipc_offsets,
         )
         self._ctx = zmq.Context()
         secret = config.secret_bytes
@@ -192,6 +205,10 @@ class KVConnector:
         self._inbox.put(fn)
 
     def _run(self) -> None:
+        if self.spec.device == "cuda":  # NIXL and the IPC path need this device's context on this thread
+            import torch
+
+            torch.cuda.set_device(self.cache.regions[0].device)
         tick_ms = max(int(self.config.poll_interval_s * 1000), 1)
         while not self._stop.is_set():
             try:

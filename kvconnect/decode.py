@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -51,6 +51,8 @@ class Peer:
     remote_list: PreppedList | None = None
     waiting: list[Pull] = field(default_factory=list)
     confirming: dict[str, Pull] = field(default_factory=dict)
+    transport: str = "nixl"
+    mapped: Any = None  # a peer_copy.IpcGather when the same-host GPU path is used
 
     @property
     def ready(self) -> bool:
@@ -154,15 +156,17 @@ class DecodeSide:
                     conn.mem,
                 )
             peer.pair, peer.info = pair, info
+            self._try_ipc(peer, info, pair)
         except KVConnectError as e:
             conn.counters.handshake_failures += 1
             self._fail_peer(peer, e)
             return
         conn.counters.handshakes += 1
         handshake_s = time.monotonic() - peer.hello_sent_s
-        log.info("peer %s ready: incarnation %s, %s<-%s at %s granularity, handshake %.1f ms (setup %.1f ms)",
-                 peer.engine_id, info.incarnation_id[:12], conn.spec.kind.value, info.spec.kind.value,
-                 pair.granularity.name, handshake_s * 1e3, (time.monotonic() - t0) * 1e3)
+        log.info("peer %s ready: incarnation %s, %s<-%s at %s granularity over %s, handshake %.1f ms "
+                 "(setup %.1f ms)", peer.engine_id, info.incarnation_id[:12], conn.spec.kind.value,
+                 info.spec.kind.value, pair.granularity.name, peer.transport, handshake_s * 1e3,
+                 (time.monotonic() - t0) * 1e3)
         waiting, peer.waiting = peer.waiting, []
         for pull in waiting:
             pull.handle.stats.handshake_s = handshake_s
@@ -172,6 +176,21 @@ class DecodeSide:
                     f"{pull.expected_incarnation[:12]}, peer is now {info.incarnation_id[:12]})"))
             else:
                 self._post(peer, pull)
+
+    def _try_ipc(self, peer: Peer, info: p.PeerInfo, pair: PairPlan) -> None:
+        """Use the IPC gather for a same-host GPU peer when allowed; NIXL stays as the fallback."""
+        conn = self._conn
+        if conn.config.transport == "nixl" or conn.spec.device != "cuda" or info.spec.device != "cuda":
+            return
+        from kvconnect import peer_copy
+
+        try:
+            peer.mapped = peer_copy.IpcGather.open(info, pair, conn.cache)
+            peer.transport = "ipc"
+        except peer_copy.PeerCopyError as e:
+            if conn.config.transport == "ipc":
+                raise
+            log.info("peer %s: CUDA IPC gather unavailable (%s); using NIXL", peer.engine_id, e)
 
     def _post(self, peer: Peer, pull: Pull) -> None:
         conn = self._conn
@@ -187,11 +206,16 @@ class DecodeSide:
         stats.num_blocks, stats.bytes = plan.num_blocks, plan.total_bytes
         stats.num_descs, stats.num_descs_merged = plan.num_descs, plan.num_descs_merged
         stats.granularity = peer.pair.granularity.name
+        stats.transport = peer.transport
         notif = p.encode_notif(pull.remote_request_id, peer.info.incarnation_id)
         try:
-            pull.xfer = conn.agent.read(self._local_lists[peer.pair.granularity], plan.local_indices,
-                                        peer.remote_list, plan.remote_indices, notif)
-            state = conn.agent.post(pull.xfer)
+            if peer.mapped is not None:
+                pull.event = peer.mapped.post(plan)
+                state = XferState.PROC
+            else:
+                pull.xfer = conn.agent.read(self._local_lists[peer.pair.granularity], plan.local_indices,
+                                            peer.remote_list, plan.remote_indices, notif)
+                state = conn.agent.post(pull.xfer)
         except KVConnectError as e:
             if isinstance(e, PeerGoneError):
                 self._drop_peer(peer, str(e))
@@ -218,8 +242,8 @@ class DecodeSide:
             if issued is not None:
                 pull.extra["issued_descs"] = issued
         self._release_xfer(pull)
-        if not self._conn.config.confirm_reads:
-            self._succeed(pull)
+        if not self._conn.config.confirm_reads and pull.handle.stats.transport != "ipc":
+            self._succeed(pull)  # (an IPC gather sends no notification: its confirmation ends the lease)
             return
         peer = self._peers.get(pull.remote_engine_id)
         if peer is None:
@@ -237,6 +261,11 @@ class DecodeSide:
             for ref, reply in peer.channel.receive():
                 self._on_reply(peer, ref, reply)
         for pull in list(self._posted):
+            if pull.event is not None:  # IPC gather: a local kernel, it always finishes
+                if pull.event.query():
+                    pull.event = None
+                    self._check(pull, XferState.DONE)
+                continue
             if pull.handle.cancel_requested or now >= pull.deadline_s:
                 self._posted.remove(pull)
                 self._abandon(pull, now)
@@ -354,6 +383,9 @@ class DecodeSide:
         peer.confirming.clear()
         if peer.agent_name:
             self._conn.agent.remove_remote(peer.agent_name)
+        if peer.mapped is not None:
+            peer.mapped.close()
+            peer.mapped = None
         peer.channel.close()
 
     def close(self) -> None:

@@ -84,6 +84,10 @@ class PeerInfo(msgspec.Struct, tag="peer_info"):
     base_addrs: list[int]
     device_id: int = 0
     mac: bytes = b""
+    # same-host CUDA fast path (peer_copy.py): where the regions can be mapped from
+    host_id: str = ""
+    ipc_handles: list[bytes] = []
+    ipc_offsets: list[int] = []
 
 
 class LeaseReply(msgspec.Struct, tag="lease_reply"):

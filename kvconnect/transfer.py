@@ -12,6 +12,7 @@ import enum
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -43,6 +44,7 @@ class PullStats(msgspec.Struct):
     transfer_s: float = 0.0  # posted -> READ complete
     confirm_s: float = 0.0
     total_s: float = 0.0  # pull requested -> blocks usable
+    transport: str = ""  # "nixl" or "ipc"
 
     @property
     def gbps(self) -> float:
@@ -109,6 +111,7 @@ class Pull:
     plan: PullPlan | None = None
     xfer: XferHandle | None = None
     incarnation_id: str = ""
+    event: Any = None  # CUDA event of an IPC gather
     posted_s: float = 0.0
     read_done_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)

@@ -11,17 +11,21 @@ import msgspec
 
 from kvconnect.layout import CacheSpec
 
-UCX_ENV = {"UCX_TLS": "tcp,cma,sm,self", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"}
+UCX_VARS = ("UCX_TLS", "UCX_NET_DEVICES", "NIXL_LOG_LEVEL", "UCX_CUDA_IPC_MAX_STREAMS")
 
 
-def _prefill_main(conn: Any, spec_raw: bytes, seed: int, config_raw: dict, env: dict) -> None:
+def _prefill_main(conn: Any, spec_raw: bytes, seed: int, config_raw: dict, env: dict, device: str | None) -> None:
     os.environ.update(env)
+    import torch
+
     from kvconnect.cache import KVCache
     from kvconnect.config import connector_config
     from kvconnect.connector import KVConnector
 
     spec = msgspec.msgpack.decode(spec_raw, type=CacheSpec)
-    cache = KVCache.allocate(spec)
+    if device and device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    cache = KVCache.allocate(spec, device=device)
     cache.fill_pattern(seed)
     freed: list[int] = []
     connector = KVConnector(cache, connector_config({}, **config_raw), on_blocks_freed=freed.extend)
@@ -57,6 +61,14 @@ def _serve(cmd: str, args: list, conn: Any, connector: Any, cache: Any, spec: Ca
         conn.send(connector.leases.force_expire(args[0]).value)
     elif cmd == "block":
         conn.send(cache.block_bytes(args[0]))
+    elif cmd == "randn":  # finite values, for attention checks
+        gen = torch.Generator(device="cpu").manual_seed(args[0])
+        for t in cache.regions:
+            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+        conn.send("ok")
+    elif cmd == "kv":  # one layer's K and V of the given blocks, as CPU tensors
+        k, v = cache.kv(args[0])
+        conn.send((k[args[1]].cpu(), v[args[1]].cpu()))
     elif cmd == "overwrite":
         for layer in range(spec.num_layers):
             for t in cache.kv(layer):
@@ -75,13 +87,15 @@ class PrefillProc:
     incarnation_id: str
 
     @classmethod
-    def start(cls, spec: CacheSpec, seed: int = 1, env: dict | None = None, **config: Any) -> PrefillProc:
+    def start(cls, spec: CacheSpec, seed: int = 1, env: dict | None = None, device: str | None = None,
+              **config: Any) -> PrefillProc:
         ctx = mp.get_context("spawn")
+        inherited = {k: os.environ[k] for k in UCX_VARS if k in os.environ}
         parent, child = ctx.Pipe()
         config.setdefault("side_channel_host", "127.0.0.1")
         proc = ctx.Process(
             target=_prefill_main,
-            args=(child, msgspec.msgpack.encode(spec), seed, config, {**UCX_ENV, **(env or {})}),
+            args=(child, msgspec.msgpack.encode(spec), seed, config, {**inherited, **(env or {})}, device),
             daemon=True,
         )
         proc.start()
