@@ -26,6 +26,7 @@ import sys
 from collections.abc import Iterator
 from importlib import metadata
 
+import msgspec
 import numpy as np
 
 from kvconnect.bench_report import SCHEMA, BenchOptions, BenchReport, Geometry
@@ -42,6 +43,7 @@ PRESETS = {
 }
 LAYOUTS = [k.value for k in LayoutKind]
 SAME_PAIRS = [(k, k) for k in ("kv_first", "blocks_first", "cross_layer")]
+TRANSPORTS = ("nixl", "ipc", "auto")
 _ENV_NAME = re.compile(r"^UCX_[A-Z0-9_]+$")
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
@@ -122,6 +124,15 @@ def parse_patterns(text: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def parse_transports(text: str) -> list[str]:
+    out = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in out if p not in TRANSPORTS]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(
+            f"bad transport {','.join(bad) or text!r}: expected {', '.join(TRANSPORTS)}")
+    return list(dict.fromkeys(out))
+
+
 def parse_ucx(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not _ENV_NAME.match(key):
@@ -174,6 +185,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m = parser.add_argument_group("memory and transport")
     m.add_argument("--prefill-device", type=parse_device, default="cpu", help="cpu (DRAM) or cuda:N (VRAM)")
     m.add_argument("--decode-device", type=parse_device, default="cpu", help="cpu (DRAM) or cuda:N (VRAM)")
+    m.add_argument("--transport", type=parse_transports, default=["nixl"],
+                   help="nixl (default), ipc (same-host GPU gather kernel) or auto; comma-separated to "
+                        "compare")
     m.add_argument("--ucx", type=parse_ucx, action="append", default=[], metavar="UCX_KEY=VAL",
                    help="exported to both processes before NIXL loads (repeatable)")
     m.add_argument("--nixl-threads", type=_non_negative_int, default=0, help="UCX worker threads per agent")
@@ -207,6 +221,8 @@ def geometry_from_args(args: argparse.Namespace) -> Geometry:
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     flat = [t for item in (args.tokens or [[4096]]) for t in item]
     devices = {args.prefill_device.split(":")[0], args.decode_device.split(":")[0]}
+    if "ipc" in args.transport and devices != {"cuda"}:
+        raise ConfigError("--transport ipc needs both sides on cuda devices")
     if "cuda" in devices:
         import torch
 
@@ -221,6 +237,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         tokens=list(dict.fromkeys(flat)),
         layout_pairs=args.layouts or SAME_PAIRS,
         patterns=args.pattern or ["scattered"],
+        transports=args.transport,
         reps=args.reps,
         warmup=args.warmup,
         seed=args.seed,
@@ -312,30 +329,31 @@ def run_bench(opts: BenchOptions, command: list[str] | None = None) -> BenchRepo
     import torch
     from tqdm import tqdm
 
-    from kvconnect.bench_pull import PrefillPeer, measure_case
+    from kvconnect.bench_pull import CaseKey, PrefillPeer, measure_case
     from kvconnect.config import ConnectorConfig
 
     if opts.decode_device.startswith("cuda"):
         torch.cuda.set_device(torch.device(opts.decode_device))  # before the connector exists
-    common = dict(side_channel_host="127.0.0.1", confirm_reads=opts.confirm, nixl_threads=opts.nixl_threads,
-                  pull_timeout_s=opts.pull_timeout_s, lease_ttl_s=max(60.0, 2 * opts.pull_timeout_s))
-    prefill_cfg = ConnectorConfig(engine_id="bench-prefill", **common)  # type: ignore[arg-type]
-    decode_cfg = ConnectorConfig(engine_id="bench-decode", **common)  # type: ignore[arg-type]
-    cases = [(pair, pattern, tokens) for pattern in opts.patterns for tokens in opts.tokens
-             for pair in opts.layout_pairs]
+    exporting = "nixl" if opts.transports == ["nixl"] else "auto"  # prefill: offer CUDA IPC handles?
+    decode_cfg = ConnectorConfig(engine_id="bench-decode", side_channel_host="127.0.0.1",
+                                 confirm_reads=opts.confirm, nixl_threads=opts.nixl_threads,
+                                 pull_timeout_s=opts.pull_timeout_s,
+                                 lease_ttl_s=max(60.0, 2 * opts.pull_timeout_s))
+    prefill_cfg = msgspec.structs.replace(decode_cfg, engine_id="bench-prefill", transport=exporting)
+    cases = [CaseKey(pair[0], pair[1], pattern, tokens, transport) for pattern in opts.patterns
+             for tokens in opts.tokens for transport in opts.transports for pair in opts.layout_pairs]
     report = BenchReport(SCHEMA, command or [], opts, transport_env(), system_info(opts))
     pulls_per_case = 1 + opts.warmup + opts.reps
     bar = tqdm(total=len(cases) * pulls_per_case, unit="pull", file=sys.stderr, dynamic_ncols=True,
                disable=(not sys.stderr.isatty()) if opts.progress is None else not opts.progress)
     peer = PrefillPeer.start(transport_env(), opts.prefill_device, prefill_cfg)
     try:
-        for index, (pair, pattern, tokens) in enumerate(cases):
-            bar.set_postfix_str(f"{pair[0]}:{pair[1]} {tokens} tokens {pattern}")
-            case = measure_case(peer, opts, index, pair, pattern, tokens, decode_cfg, lambda: bar.update(1))
+        for index, key in enumerate(cases):
+            bar.set_postfix_str(key.label)
+            case = measure_case(peer, opts, index, key, decode_cfg, lambda: bar.update(1))
             report.cases.append(case)
-            log.info("%s %d tokens %s: %.2f GB/s (%.0f%% of %.2f), %d descs -> %d",
-                     case.pair, tokens, pattern, case.gbps_median, case.pct_of_ceiling,
-                     case.ceiling.gbps_median, case.num_descs, case.num_descs_merged)
+            log.info("%s: %.2f GB/s (%.0f%% of %.2f), %d descs -> %d", key.label, case.gbps_median,
+                     case.pct_of_ceiling, case.ceiling.gbps_median, case.num_descs, case.num_descs_merged)
     finally:
         bar.close()
         peer.stop()

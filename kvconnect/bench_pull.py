@@ -220,35 +220,45 @@ def verify(local: KVCache, shadow: KVCache, local_ids: np.ndarray, remote_ids: n
     return checked
 
 
-def measure_ceiling(nbytes: int, src_device: str, dst_device: str, reps: int) -> Ceiling:
-    """A plain copy of `nbytes` from the prefill side's memory kind to the decode side's, same run."""
-    reps = max(reps, 3)
-    times = []
-    if src_device == "cpu" and dst_device == "cpu":
-        src = np.empty(nbytes, dtype=np.uint8)
-        src.fill(0x5A)
-        dst = np.empty_like(src)
-        np.copyto(dst, src)  # fault the pages in before timing
-        for _ in range(reps):
+class CopyCeiling:
+    """A plain copy of the request's bytes from the prefill side's memory kind to the decode side's:
+    one numpy memcpy on one thread for DRAM, a torch copy between the devices otherwise. One copy runs
+    right after each timed pull, so pull and ceiling see the same machine state (this box is shared)."""
+
+    def __init__(self, nbytes: int, src_device: str, dst_device: str) -> None:
+        self.nbytes = nbytes
+        self.src_device, self.dst_device = src_device, dst_device
+        self.dram = src_device == "cpu" and dst_device == "cpu"
+        self.times_s: list[float] = []
+        if self.dram:
+            self.src = np.full(nbytes, 0x5A, dtype=np.uint8)
+            self.dst = np.empty_like(self.src)
+            self.kind = "memcpy (numpy copyto, 1 thread)"
+        else:
+            self.src_t = torch.full((nbytes,), 0x5A, dtype=torch.uint8, device=src_device)
+            self.dst_t = torch.empty(nbytes, dtype=torch.uint8, device=dst_device)
+            self.kind = f"torch copy {src_device} -> {dst_device}"
+        self._copy()  # pages faulted in, peer access set up, before anything is timed
+
+    def _copy(self) -> float:
+        if self.dram:
             t0 = time.perf_counter()
-            np.copyto(dst, src)  # one memcpy, one thread
-            times.append(time.perf_counter() - t0)
-        kind = "memcpy, numpy copyto, 1 thread"
-    else:
-        src_t = torch.full((nbytes,), 0x5A, dtype=torch.uint8, device=src_device)
-        dst_t = torch.empty(nbytes, dtype=torch.uint8, device=dst_device)
-        dst_t.copy_(src_t)  # peer access, caches and pages set up before timing
-        for _ in range(reps):
-            _sync(src_device)
-            _sync(dst_device)
-            t0 = time.perf_counter()
-            dst_t.copy_(src_t)
-            _sync(dst_device)
-            _sync(src_device)
-            times.append(time.perf_counter() - t0)
-        kind = f"torch copy {src_device} -> {dst_device}"
-        del src_t, dst_t
-    return Ceiling(kind=kind, bytes=nbytes, reps_s=times, gbps_median=nbytes / float(np.median(times)) / 1e9)
+            np.copyto(self.dst, self.src)
+            return time.perf_counter() - t0
+        _sync(self.src_device)
+        _sync(self.dst_device)
+        t0 = time.perf_counter()
+        self.dst_t.copy_(self.src_t)
+        _sync(self.dst_device)
+        _sync(self.src_device)
+        return time.perf_counter() - t0
+
+    def once(self) -> None:
+        self.times_s.append(self._copy())
+
+    def result(self) -> Ceiling:
+        return Ceiling(kind=self.kind, bytes=self.nbytes, reps_s=self.times_s,
+                       gbps_median=self.nbytes / float(np.median(self.times_s)) / 1e9)
 
 
 # --- one case, decode side -----------------------------------------------------------------------
@@ -303,20 +313,29 @@ def rep_result(stats: PullStats) -> RepResult:
                      total_s=stats.total_s, num_descs_merged=stats.num_descs_merged)
 
 
-def run_pulls(case: DecodeCase, draws: list[tuple[np.ndarray, np.ndarray]],
-              tick: Callable[[], None]) -> list[PullOutcome]:
-    """Pull every (local ids, remote ids) draw in order, verifying each; `tick` after each pull."""
-    out = []
-    for local_ids, remote_ids in draws:
-        out.append(case.pull_once(local_ids, remote_ids))
-        tick()
-    return out
+@dataclass(frozen=True)
+class CaseKey:
+    """What distinguishes one case from another."""
+
+    prefill_layout: str
+    decode_layout: str
+    pattern: str
+    tokens: int
+    transport: str
+
+    @property
+    def label(self) -> str:
+        pair = f"{self.prefill_layout}:{self.decode_layout}"
+        return f"{pair} {self.tokens} tokens {self.pattern} via {self.transport}"
 
 
-def measure_case(peer: PrefillPeer, opts: BenchOptions, index: int, pair: tuple[str, str], pattern: str,
-                 tokens: int, config: ConnectorConfig, tick: Callable[[], None]) -> CaseResult:
-    """First-contact pull, warm-up pulls, timed pulls (all verified), then the copy ceiling."""
+def measure_case(peer: PrefillPeer, opts: BenchOptions, index: int, key: CaseKey, config: ConnectorConfig,
+                 tick: Callable[[], None]) -> CaseResult:
+    """First-contact pull, warm-up pulls, then timed pulls each followed by one ceiling copy; every
+    pull verified byte for byte."""
     geo = opts.geometry
+    pair, pattern, tokens, transport = (key.prefill_layout, key.decode_layout), key.pattern, key.tokens, \
+        key.transport
     num_blocks = -(-tokens // geo.block_size)
     cache_blocks = cache_blocks_for(pattern, num_blocks, opts.cache_factor)
 
@@ -330,26 +349,34 @@ def measure_case(peer: PrefillPeer, opts: BenchOptions, index: int, pair: tuple[
         rng = pattern_rng(opts.seed, pattern, tokens, rep)
         remote_ids = draw_ids(rng, pattern, num_blocks, cache_blocks)
         draws.append((draw_ids(rng, pattern, num_blocks, cache_blocks), remote_ids))
+    total_bytes = num_blocks * spec(pair[0], opts.prefill_device).block_bytes
+    ceiling = CopyCeiling(total_bytes, opts.prefill_device, opts.decode_device)
     case = DecodeCase(peer, spec(pair[1], opts.decode_device), spec(pair[0], opts.prefill_device),
                       fill_seed=opts.seed * 7919 + index + 1, device=opts.decode_device,
-                      config=config, label=f"bench-{index}")
+                      config=msgspec.structs.replace(config, transport=transport), label=f"bench-{index}")
+    outcomes = []
     try:
-        outcomes = run_pulls(case, draws, tick)
+        for i, (local_ids, remote_ids) in enumerate(draws):
+            outcomes.append(case.pull_once(local_ids, remote_ids))
+            if i > opts.warmup:  # a timed pull: its ceiling copy now
+                ceiling.once()
+            tick()
     finally:
         case.close()
     first, timed = outcomes[0].stats, [o.stats for o in outcomes[1 + opts.warmup:]]
     if first.handshake_s <= 0 or any(s.handshake_s for s in timed):
         raise KVConnectError(f"case {index}: expected one handshake, on the first pull only")
-    total_bytes = num_blocks * spec(pair[0], opts.prefill_device).block_bytes
+    used = {s.transport for s in timed}
+    if len(used) != 1 or (transport != "auto" and used != {transport}):
+        raise KVConnectError(f"case {index}: asked for transport {transport}, pulls used {sorted(used)}")
     if any(s.bytes != total_bytes for s in timed):
         raise KVConnectError(
             f"case {index}: pulls moved {[s.bytes for s in timed]} bytes, expected {total_bytes}")
-    del case
-    ceiling = measure_ceiling(total_bytes, opts.prefill_device, opts.decode_device, opts.reps)
     return summarize_case(
-        prefill_layout=pair[0], decode_layout=pair[1], tokens=tokens, pattern=pattern, num_blocks=num_blocks,
+        prefill_layout=pair[0], decode_layout=pair[1], tokens=tokens, pattern=pattern, transport=transport,
+        transport_used=used.pop(), num_blocks=num_blocks,
         cache_blocks=cache_blocks, total_bytes=total_bytes, granularity=first.granularity,
         num_descs=first.num_descs, first_contact_s=first.handshake_s, first_pull_total_s=first.total_s,
-        reps=[rep_result(s) for s in timed], ceiling=ceiling, verified_pulls=len(outcomes),
-        verified_bytes=sum(o.verified_bytes for o in outcomes),
+        reps=[rep_result(s) for s in timed], ceiling=ceiling.result(), verified_pulls=len(outcomes),
+        verified_bytes=sum(o.verified_bytes for o in outcomes), load_1m=os.getloadavg()[0],
     )

@@ -8,6 +8,7 @@ object the table is printed from). Throughput figures are decimal GB/s (1e9 byte
 from __future__ import annotations
 
 import logging
+import textwrap
 from pathlib import Path
 
 import msgspec
@@ -34,6 +35,8 @@ class BenchOptions(msgspec.Struct, frozen=True):
     tokens: list[int]
     layout_pairs: list[tuple[str, str]]  # (prefill layout, decode layout)
     patterns: list[str]  # "contiguous", "scattered", "runs:K"
+    # connector transport per case: "nixl", "ipc" (same-host GPU gather kernel), "auto"
+    transports: list[str] = msgspec.field(default_factory=lambda: ["nixl"])
     reps: int = 5
     warmup: int = 1
     seed: int = 0
@@ -69,6 +72,8 @@ class CaseResult(msgspec.Struct, frozen=True):
     decode_layout: str
     tokens: int
     pattern: str
+    transport: str  # as asked for ("nixl", "ipc", "auto")
+    transport_used: str  # as the pulls reported it
     num_blocks: int
     cache_blocks: int  # blocks in each side's cache (ids are drawn from these)
     bytes: int
@@ -90,10 +95,16 @@ class CaseResult(msgspec.Struct, frozen=True):
     pct_of_ceiling: float  # gbps_median / ceiling.gbps_median * 100
     verified_pulls: int  # every pull of the case, first and warm-up included
     verified_bytes: int
+    load_1m: float = 0.0  # this machine's 1-minute load average when the case ended (noise hint)
 
     @property
     def pair(self) -> str:
         return f"{self.prefill_layout}:{self.decode_layout}"
+
+    @property
+    def series(self) -> str:
+        """The plot's line: the layout pair, and the transport when it is not NIXL."""
+        return self.pair if self.transport_used == "nixl" else f"{self.pair} ({self.transport_used})"
 
 
 class BenchReport(msgspec.Struct):
@@ -111,6 +122,8 @@ def summarize_case(
     decode_layout: str,
     tokens: int,
     pattern: str,
+    transport: str,
+    transport_used: str,
     num_blocks: int,
     cache_blocks: int,
     total_bytes: int,
@@ -122,6 +135,7 @@ def summarize_case(
     ceiling: Ceiling,
     verified_pulls: int,
     verified_bytes: int,
+    load_1m: float = 0.0,
 ) -> CaseResult:
     """Medians and tails of the timed reps, plus the ratio to the same-run ceiling."""
     span_s = np.array([r.post_s + r.transfer_s for r in reps])
@@ -133,6 +147,8 @@ def summarize_case(
         decode_layout=decode_layout,
         tokens=tokens,
         pattern=pattern,
+        transport=transport,
+        transport_used=transport_used,
         num_blocks=num_blocks,
         cache_blocks=cache_blocks,
         bytes=total_bytes,
@@ -154,6 +170,7 @@ def summarize_case(
         pct_of_ceiling=float(100 * gbps / ceiling.gbps_median) if ceiling.gbps_median > 0 else 0.0,
         verified_pulls=verified_pulls,
         verified_bytes=verified_bytes,
+        load_1m=load_1m,
     )
 
 
@@ -164,6 +181,7 @@ _COLUMNS = (
     ("layout pair", 27, lambda c: c.pair),
     ("tokens", 6, lambda c: str(c.tokens)),
     ("pattern", 10, lambda c: c.pattern),
+    ("via", 4, lambda c: c.transport_used),
     ("MiB", 8, lambda c: f"{c.bytes / 2**20:.1f}"),
     ("descs", 7, lambda c: str(c.num_descs)),
     ("merged", 7, lambda c: str(c.num_descs_merged)),
@@ -185,6 +203,19 @@ def _size(nbytes: float) -> str:
             value = nbytes / scale
             return f"{value:.0f}{unit}" if value >= 100 or value == int(value) else f"{value:.1f}{unit}"
     return f"{nbytes:.0f}B"
+
+
+_LEGEND = (
+    "layout pair = prefill:decode; via = transport used. descs/merged = descriptors per request before/after "
+    "merging runs of adjacent blocks; B/desc after merging. post/xfer = median time to post (plan + "
+    "make_prepped_xfer + transfer()) and from posting to completion; when transfer() completes the copy "
+    "itself (UCX cma) the copy shows under post. GB/s = bytes / (post + xfer), median over reps; p90 = the "
+    "same at the 90th percentile of (post + xfer), i.e. the slow tail; e2e = bytes / (pull requested -> "
+    "blocks usable, lease confirmation included). ceil = a plain copy of the same bytes right after each "
+    "timed pull ({ceiling}); %ceil = GB/s / ceil. 1st ms = first-contact cost (handshake: metadata fetch + "
+    "remote agent + descriptor list preparation), paid by the first pull of every case (each case starts "
+    "fresh connectors)."
+)
 
 
 def _row(cells: list[str]) -> str:
@@ -213,14 +244,8 @@ def format_table(report: BenchReport) -> str:
     verified_gib = sum(c.verified_bytes for c in report.cases) / 2**30
     lines += [
         "",
-        "layout pair = prefill:decode. descs/merged = descriptors per request before/after merging runs of",
-        "adjacent blocks; B/desc after merging. post/xfer = median time to post (plan + make_prepped_xfer +",
-        "transfer()) and from posting to completion; when transfer() completes the copy itself (UCX cma) the",
-        "copy shows under post. GB/s = bytes / (post + xfer), median over reps; p90 = the same at the 90th",
-        "percentile of (post + xfer), i.e. the slow tail; e2e = bytes / (pull requested -> blocks usable,",
-        "lease confirmation included). ceil = plain local copy of the same bytes in the same run",
-        f"({report.cases[0].ceiling.kind if report.cases else '-'}); 1st ms = first-contact cost (handshake:",
-        "metadata fetch + remote agent + descriptor list preparation).",
+        *textwrap.wrap(_LEGEND.format(ceiling=report.cases[0].ceiling.kind if report.cases else "-"), 100,
+                      break_on_hyphens=False),
         f"verified: {verified} pulls, {verified_gib:.2f} GiB, byte-exact.",
     ]
     return "\n".join(lines)
@@ -241,58 +266,63 @@ def read_json(path: str | Path) -> BenchReport:
 
 
 def write_plot(report: BenchReport, path: str | Path) -> None:
-    """GB/s and % of ceiling against bytes per descriptor, one line per layout pair; a third panel
-    (GB/s against request size) when the run swept more than one request length."""
+    """GB/s and % of ceiling against bytes per descriptor, one line per layout pair (per request length,
+    when several were run, larger markers for longer requests); a third panel, GB/s against request
+    size, when the run swept more than one request length."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     cases = report.cases
-    pairs = list(dict.fromkeys(c.pair for c in cases))
-    sweep = len({c.tokens for c in cases}) > 1
-    fig, axes = plt.subplots(1, 3 if sweep else 2, figsize=(16 if sweep else 11, 4.6))
-    colors = plt.get_cmap("tab10")
-    for i, pair in enumerate(pairs):
-        mine = sorted((c for c in cases if c.pair == pair), key=lambda c: (c.bytes_per_desc, c.bytes))
-        x = [c.bytes_per_desc for c in mine]
-        style = dict(color=colors(i % 10), marker="o", label=pair)
-        axes[0].plot(x, [c.gbps_median for c in mine], **style)
-        axes[0].vlines(x, [c.gbps_p90 for c in mine], [c.gbps_median for c in mine], color=colors(i % 10),
-                       alpha=0.5)
-        axes[1].plot(x, [c.pct_of_ceiling for c in mine], **style)
-        if sweep:
-            mine = sorted((c for c in cases if c.pair == pair), key=lambda c: (c.bytes, c.pattern))
-            axes[2].plot([c.bytes / 2**20 for c in mine], [c.gbps_median for c in mine], **style)
-    ceilings = [c.ceiling.gbps_median for c in cases]
-    if ceilings:
-        axes[0].axhline(float(np.median(ceilings)), color="gray", ls="--", lw=1,
-                        label=f"ceiling {np.median(ceilings):.1f} GB/s")
-        if sweep:
-            axes[2].axhline(float(np.median(ceilings)), color="gray", ls="--", lw=1, label="ceiling")
-    geo = report.options.geometry
-    titles = ("GB/s (median; bar down to p90)", "% of same-run copy ceiling", "GB/s vs request size")
+    tokens = sorted({c.tokens for c in cases})
+    patterns = list(dict.fromkeys(c.pattern for c in cases))
+    sweep = len(tokens) > 1
+    fig, axes = plt.subplots(1, 3 if sweep else 2, figsize=(17 if sweep else 11.5, 4.8))
+    for i, name in enumerate(dict.fromkeys(c.series for c in cases)):
+        color = plt.get_cmap("tab10")(i % 10)
+        mine = [c for c in cases if c.series == name]
+        for j, n in enumerate(tokens):
+            line = sorted((c for c in mine if c.tokens == n), key=lambda c: c.bytes_per_desc)
+            x = [c.bytes_per_desc for c in line]
+            style = dict(color=color, marker="o", markersize=4 + 2.5 * j if sweep else 6, alpha=0.85,
+                         label=name if j == 0 else None)
+            axes[0].plot(x, [c.gbps_median for c in line], **style)
+            medians = [c.gbps_median for c in line]
+            axes[0].vlines(x, [c.gbps_p90 for c in line], medians, color=color, alpha=0.4)
+            axes[1].plot(x, [c.pct_of_ceiling for c in line], **style)
+        for k, pattern in enumerate(patterns if sweep else []):
+            line = sorted((c for c in mine if c.pattern == pattern), key=lambda c: c.bytes)
+            label = f"{name} {pattern}" if len(patterns) > 1 else name
+            axes[2].plot([c.bytes for c in line], [c.gbps_median for c in line], color=color, marker="o",
+                         ls=("-", "--", ":", "-.")[k % 4], label=label)
+    if cases:
+        ceiling = float(np.median([c.ceiling.gbps_median for c in cases]))
+        axes[0].axhline(ceiling, color="gray", ls="--", lw=1, label=f"copy ceiling (median) {ceiling:.1f}")
+    if sweep:
+        sizes = sorted({c.bytes for c in cases})
+        ceilings = [np.median([c.ceiling.gbps_median for c in cases if c.bytes == b]) for b in sizes]
+        axes[2].plot(sizes, ceilings, color="gray", ls="--", lw=1, label="copy ceiling")
+    titles = ["GB/s (median; bar down to p90)", "% of the same-run copy ceiling", "GB/s vs request size"]
     for ax, title in zip(axes, titles, strict=False):
         ax.set_title(title, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    for ax in axes[:2]:
+        ax.legend(fontsize=7.5)
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _size(v)))
+        ax.set_ylim(bottom=0)
+    for ax in axes[:2]:
         ax.set_xlabel("bytes per descriptor (after merging)")
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: _size(v)))
     axes[0].set_ylabel("GB/s")
-    axes[0].set_ylim(bottom=0)
     axes[1].set_ylim(0, max([105.0] + [c.pct_of_ceiling * 1.05 for c in cases]))
     axes[1].set_ylabel("% of ceiling")
     if sweep:
-        axes[2].set_xscale("log", base=2)
-        axes[2].set_xlabel("request size (MiB)")
-        axes[2].set_ylim(bottom=0)
-    patterns = ",".join(dict.fromkeys(c.pattern for c in cases))
-    fig.suptitle(
-        f"kvconnect bench: {geo.model}, {geo.dtype}, block {geo.block_size}, {patterns} ids, "
-        f"{report.options.prefill_device} -> {report.options.decode_device}", fontsize=11
-    )
+        axes[2].set_xlabel("request size")
+    geo, opts = report.options.geometry, report.options
+    fig.suptitle(f"kvconnect bench: {geo.model}, {geo.dtype}, block {geo.block_size}, {','.join(patterns)} "
+                 f"ids, {','.join(map(str, tokens))} tokens, {opts.prefill_device} -> {opts.decode_device}",
+                 fontsize=11)
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

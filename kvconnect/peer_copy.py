@@ -58,7 +58,7 @@ def export_region(addr: int) -> tuple[bytes, int]:
            "cuMemGetAddressRange")
     handle = _Handle()
     _check(cu.cuIpcGetMemHandle(ctypes.byref(handle), base), "cuIpcGetMemHandle")
-    return bytes(handle.reserved), addr - base.value
+    return bytes(handle), addr - base.value  # (.reserved would stop at the first NUL byte)
 
 
 def host_id() -> str:
@@ -133,23 +133,25 @@ class MappedPeer:
 
     @classmethod
     def open(cls, handles: list[bytes], offsets: list[int]) -> MappedPeer:
+        """Map each distinct allocation once (several regions often share one allocator segment)."""
         cu = _libcuda()
-        bases: list[int] = []
+        opened: dict[bytes, int] = {}
         try:
             for raw in handles:
                 if len(raw) != IPC_HANDLE_BYTES:
-                    raise PeerCopyError(f"IPC handle of {len(raw)} bytes")
-                handle = _Handle()
-                ctypes.memmove(ctypes.byref(handle), raw, IPC_HANDLE_BYTES)
+                    raise PeerCopyError(f"IPC handle of {len(raw)} bytes, expected {IPC_HANDLE_BYTES}")
+                if raw in opened:
+                    continue
+                handle = _Handle.from_buffer_copy(raw)
                 ptr = ctypes.c_uint64()
                 _check(cu.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
                        "cuIpcOpenMemHandle")
-                bases.append(ptr.value)
+                opened[raw] = ptr.value
         except PeerCopyError:
-            for b in bases:
+            for b in opened.values():
                 cu.cuIpcCloseMemHandle(ctypes.c_uint64(b))
             raise
-        return cls(bases, [b + off for b, off in zip(bases, offsets)])
+        return cls(list(opened.values()), [opened[h] + off for h, off in zip(handles, offsets)])
 
     def close(self) -> None:
         cu = _libcuda()

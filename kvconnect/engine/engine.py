@@ -45,6 +45,8 @@ class Engine:
         self.config = config if config is not None else EngineConfig()
         cfg = self.config
         self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and self.device.index is None:  # pin "cuda" to one device for good
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.tokenizer = ByteTokenizer()
         self.spec = cfg.cache_spec()
         self.cache = KVCache.allocate(self.spec, device=self.device)

@@ -23,6 +23,13 @@ pytestmark = [
 GEOMETRY = dict(dtype="bfloat16", num_layers=4, block_size=16, num_kv_heads=8, head_dim=128, device="cuda")
 
 
+@pytest.fixture(autouse=True)
+def keep_current_device():
+    before = torch.cuda.current_device()
+    yield
+    torch.cuda.set_device(before)
+
+
 def spec(kind: LayoutKind, num_blocks: int = 64) -> CacheSpec:
     return CacheSpec(kind=kind, num_blocks=num_blocks, **GEOMETRY)
 
