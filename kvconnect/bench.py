@@ -22,6 +22,7 @@ import logging
 import os
 import platform
 import re
+import shlex
 import sys
 from collections.abc import Iterator
 from importlib import metadata
@@ -375,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
         log.error("kvconnect bench failed: %s", e)
         return 1
     if report.command:
-        print("$ " + " ".join(report.command))
+        print("$ " + shlex.join(report.command))
     print(format_table(report), flush=True)
     if args.json:
         write_json(report, args.json)

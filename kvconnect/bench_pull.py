@@ -51,6 +51,7 @@ def _prefill_main(pipe: Any, env: dict[str, str], device: str, config: Connector
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     connector: KVConnector | None = None
+    cache: KVCache | None = None
     pipe.send(("ok", os.getpid()))
     try:
         while True:
@@ -62,9 +63,9 @@ def _prefill_main(pipe: Any, env: dict[str, str], device: str, config: Connector
                 break
             try:
                 if cmd == "setup":
-                    if connector is not None:
+                    if connector is not None:  # release NIXL's hold, then the old cache's memory
                         connector.close()
-                        connector = None
+                        connector = cache = None
                     spec = msgspec.msgpack.decode(args[0], type=CacheSpec)
                     cache = KVCache.allocate(spec, device)
                     cache.fill_pattern(args[1])
@@ -281,8 +282,10 @@ class DecodeCase:
         self.confirm = config.confirm_reads
         self.timeout_s = config.pull_timeout_s
         peer.setup(remote_spec, fill_seed)
-        self.shadow = KVCache.allocate(remote_spec, device)
-        self.shadow.fill_pattern(fill_seed)  # while the prefill process fills the same pattern
+        # the remote cache's bytes, rebuilt here from the seed (while the prefill process fills its own)
+        shadow_spec = msgspec.structs.replace(remote_spec, device=local_spec.device)
+        self.shadow = KVCache.allocate(shadow_spec, device)
+        self.shadow.fill_pattern(fill_seed)
         self.local = KVCache.allocate(local_spec, device)
         peer.wait_setup()
         _sync(device)

@@ -242,11 +242,14 @@ def format_table(report: BenchReport) -> str:
     lines += [_row([f(case) for _, _, f in _COLUMNS]) for case in report.cases]
     verified = sum(c.verified_pulls for c in report.cases)
     verified_gib = sum(c.verified_bytes for c in report.cases) / 2**30
+    loads = [c.load_1m for c in report.cases]
     lines += [
         "",
         *textwrap.wrap(_LEGEND.format(ceiling=report.cases[0].ceiling.kind if report.cases else "-"), 100,
                       break_on_hyphens=False),
         f"verified: {verified} pulls, {verified_gib:.2f} GiB, byte-exact.",
+        f"load average (1 min, at the end of each case; this run's own processes add about 2): "
+        f"{min(loads, default=0):.1f} to {max(loads, default=0):.1f}",
     ]
     return "\n".join(lines)
 
