@@ -12,6 +12,7 @@ Threading: one loop thread owns the NIXL agent and every ZMQ socket; other threa
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -112,6 +113,9 @@ class KVConnector:
         self.side_channel_port = self._server.port
         self.decode = DecodeSide(self, self._ctx, secret)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvc-loop-{self.engine_id}", daemon=True)
         self.on_pull_done = on_pull_done
@@ -203,6 +207,10 @@ class KVConnector:
         if self._stop.is_set():
             raise KVConnectError("connector is closed")
         self._inbox.put(fn)
+        try:
+            os.write(self._wake_w, b"\0")  # wake the loop now, not at its next tick
+        except BlockingIOError:  # the pipe is full: a wake-up is pending anyway
+            pass
 
     def _run(self) -> None:
         if self.spec.device == "cuda":  # NIXL and the IPC path need this device's context on this thread
@@ -210,9 +218,19 @@ class KVConnector:
 
             torch.cuda.set_device(self.cache.regions[0].device)
         tick_ms = max(int(self.config.poll_interval_s * 1000), 1)
+        poller = zmq.Poller()
+        poller.register(self._server.sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                self._server.poll(0 if self.decode.busy() else tick_ms)
+                ready = dict(poller.poll(0 if self.decode.busy() else tick_ms))
+                if self._wake_r in ready:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                if self._server.sock in ready:
+                    self._server.poll(0)
                 while True:
                     try:
                         self._inbox.get_nowait()()
@@ -240,6 +258,8 @@ class KVConnector:
         self._server.close()
         self.agent.close()
         self._ctx.term()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
     def __enter__(self) -> KVConnector:
         return self

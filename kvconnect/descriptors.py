@@ -108,8 +108,10 @@ class PairPlan:
     def remote_descs(self, base_addrs: Sequence[int], device_id: int) -> np.ndarray:
         return descriptor_array(self.remote_units, self.remote_spec.num_blocks, base_addrs, device_id)
 
-    def plan(self, local_ids: Sequence[int] | np.ndarray, remote_ids: Sequence[int] | np.ndarray) -> PullPlan:
-        """Index arrays for pulling remote_ids[i] into local_ids[i]; raises InvalidRequestError."""
+    def validate(
+        self, local_ids: Sequence[int] | np.ndarray, remote_ids: Sequence[int] | np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Checked block ids as int64 pairs sorted by remote id; raises InvalidRequestError."""
         local = validate_block_ids("local_block_ids", local_ids, self.local_spec.num_blocks)
         remote = validate_block_ids("remote_block_ids", remote_ids, self.remote_spec.num_blocks)
         if local.size != remote.size:
@@ -117,7 +119,14 @@ class PairPlan:
                 "remote_block_ids", f"{remote.size} remote blocks for {local.size} local blocks"
             )
         order = np.argsort(remote, kind="stable")
-        local, remote = local[order], remote[order]
+        return local[order], remote[order]
+
+    def plan(self, local_ids: Sequence[int] | np.ndarray, remote_ids: Sequence[int] | np.ndarray) -> PullPlan:
+        """Index arrays for pulling remote_ids[i] into local_ids[i]; raises InvalidRequestError."""
+        return self.plan_validated(*self.validate(local_ids, remote_ids))
+
+    def plan_validated(self, local: np.ndarray, remote: np.ndarray) -> PullPlan:
+        """`plan` for ids that came out of `validate`."""
         num_units = self.local_units.num_units
         units = np.arange(num_units, dtype=np.int64)[:, None]
         local_idx = (units * self.local_spec.num_blocks + local[None, :]).reshape(-1)

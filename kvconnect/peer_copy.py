@@ -20,13 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from kvconnect.errors import KVConnectError, NixlError
+from kvconnect.errors import NixlError
 
 log = logging.getLogger(__name__)
 
 CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 IPC_HANDLE_BYTES = 64
 _WORD_BYTES = 8  # the kernel moves int64 words
+_CHUNK_WORDS = 4096  # words per program: 32 KiB
 
 
 class PeerCopyError(NixlError):
@@ -71,18 +72,31 @@ def host_id() -> str:
 
 
 class IpcGather:
-    """A peer's cache mapped into this process, ready to gather requests with one kernel each."""
+    """A peer's cache mapped into this process, ready to gather requests with one kernel each.
 
-    def __init__(self, mapped: MappedPeer, src_units: np.ndarray, dst_units: np.ndarray, unit_bytes: int,
-                 dst_origin: int, device: Any) -> None:
+    Both sides' unit tables (word offsets of unit u of block b, relative to region 0) live on the device
+    from the handshake on, so a request uploads only its (remote, local) block id pairs: posting costs
+    one small copy and one kernel launch, whatever the layout.
+    """
+
+    def __init__(self, mapped: MappedPeer, pair: Any, cache: Any) -> None:
         import torch
 
         self.mapped = mapped
-        self._src_units, self._dst_units = src_units, dst_units
-        self._unit_bytes = unit_bytes
-        self._dst_origin = dst_origin
-        self._device = device
-        self._stream = torch.cuda.Stream(device=device)
+        self._device = cache.regions[0].device
+        self._num_units = pair.local_units.num_units
+        self._unit_words = pair.unit_bytes // _WORD_BYTES
+        self._src_origin = mapped.region_addrs[0]
+        self._dst_origin = cache.base_addrs()[0]
+        src = pair.remote_descs(mapped.region_addrs, 0)[:, 0] - self._src_origin
+        dst = pair.local_descs(cache.base_addrs(), 0)[:, 0] - self._dst_origin
+        if (src % _WORD_BYTES).any() or (dst % _WORD_BYTES).any():
+            raise PeerCopyError(f"units are not aligned to {_WORD_BYTES}-byte words")
+        self._src_table = torch.from_numpy(src // _WORD_BYTES).to(self._device)  # (U * nb_remote,)
+        self._dst_table = torch.from_numpy(dst // _WORD_BYTES).to(self._device)  # (U * nb_local,)
+        self._nb_src = pair.remote_spec.num_blocks
+        self._nb_dst = pair.local_spec.num_blocks
+        self._stream = torch.cuda.Stream(device=self._device)
 
     @classmethod
     def open(cls, info: Any, pair: Any, cache: Any) -> IpcGather:
@@ -99,24 +113,30 @@ class IpcGather:
             raise PeerCopyError(f"triton is not available: {e}") from e
         mapped = MappedPeer.open(info.ipc_handles, info.ipc_offsets)
         try:
-            return cls(mapped, pair.remote_descs(mapped.region_addrs, 0)[:, 0],
-                       pair.local_descs(cache.base_addrs(), 0)[:, 0], pair.unit_bytes, cache.base_addrs()[0],
-                       cache.regions[0].device)
+            return cls(mapped, pair, cache)
         except Exception:
             mapped.close()
             raise
 
-    def post(self, plan: Any) -> Any:
-        """Enqueue one request's gather (a descriptors.PullPlan); returns a CUDA event to poll."""
+    def post(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> Any:
+        """Enqueue one request's gather (validated ids); returns a CUDA event to poll."""
         import torch
+        import triton
 
-        src_origin = self.mapped.region_addrs[0]
-        with torch.cuda.stream(self._stream):
-            gather = plan_gather(self._src_units[plan.remote_indices], self._dst_units[plan.local_indices],
-                                 self._unit_bytes, src_origin, self._dst_origin, self._device)
-        launch(gather, src_origin, self._dst_origin, self._stream)
-        event = torch.cuda.Event()
-        event.record(self._stream)
+        n = int(local_ids.shape[0])
+        pairs = np.empty((n, 2), dtype=np.int64)
+        pairs[:, 0], pairs[:, 1] = remote_ids, local_ids
+        try:
+            with torch.cuda.stream(self._stream):
+                ids = torch.from_numpy(pairs).to(self._device, non_blocking=True)
+                grid = (self._num_units * n, triton.cdiv(self._unit_words, _CHUNK_WORDS))
+                _kernel()[grid](_Ptr(self._src_origin), _Ptr(self._dst_origin), self._src_table,
+                                self._dst_table, ids, n, self._nb_src, self._nb_dst, self._unit_words,
+                                CHUNK=_CHUNK_WORDS, num_warps=8)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+        except Exception as e:
+            raise PeerCopyError(f"gather kernel launch failed: {type(e).__name__}: {e}") from e
         return event
 
     def close(self) -> None:
@@ -144,14 +164,14 @@ class MappedPeer:
                     continue
                 handle = _Handle.from_buffer_copy(raw)
                 ptr = ctypes.c_uint64()
-                _check(cu.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
-                       "cuIpcOpenMemHandle")
+                flags = CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+                _check(cu.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, flags), "cuIpcOpenMemHandle")
                 opened[raw] = ptr.value
         except PeerCopyError:
             for b in opened.values():
                 cu.cuIpcCloseMemHandle(ctypes.c_uint64(b))
             raise
-        return cls(list(opened.values()), [opened[h] + off for h, off in zip(handles, offsets)])
+        return cls(list(opened.values()), [opened[h] + off for h, off in zip(handles, offsets, strict=True)])
 
     def close(self) -> None:
         cu = _libcuda()
@@ -178,54 +198,20 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def gather_units(src, dst, src_words, dst_words, unit_words, CHUNK: tl.constexpr):
-        d = tl.program_id(0)
-        c = tl.program_id(1)
-        s_off = tl.load(src_words + d)
-        d_off = tl.load(dst_words + d)
+    @triton.jit(do_not_specialize=["n", "nb_src", "nb_dst"])
+    def gather_blocks(src, dst, src_table, dst_table, pairs, n, nb_src, nb_dst, unit_words,
+                      CHUNK: tl.constexpr):
+        # program (d, c): chunk c of unit u = d // n of the i-th (remote, local) block pair, i = d % n
+        d = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1).to(tl.int64)
+        u = d // n
+        i = d % n
+        s_off = tl.load(src_table + u * nb_src + tl.load(pairs + 2 * i))
+        d_off = tl.load(dst_table + u * nb_dst + tl.load(pairs + 2 * i + 1))
         offs = c * CHUNK + tl.arange(0, CHUNK)
         mask = offs < unit_words
-        x = tl.load(src + s_off + offs, mask=mask)
-        tl.store(dst + d_off + offs, x, mask=mask)
+        tl.store(dst + d_off + offs, tl.load(src + s_off + offs, mask=mask), mask=mask)
 
-    return gather_units
-
-
-@dataclass
-class GatherPlan:
-    """Word offsets of each unit on both sides, relative to region 0 of each side."""
-
-    src_words: Any  # torch int64 on the local device
-    dst_words: Any
-    unit_words: int
-    num_units: int
+    return gather_blocks
 
 
-def plan_gather(src_addrs: np.ndarray, dst_addrs: np.ndarray, unit_bytes: int, src_origin: int,
-                dst_origin: int, device: Any) -> GatherPlan:
-    """Byte addresses (one per unit, issue order) -> word offsets on the device."""
-    import torch
-
-    if unit_bytes % _WORD_BYTES or ((src_addrs - src_origin) % _WORD_BYTES).any() \
-            or ((dst_addrs - dst_origin) % _WORD_BYTES).any():
-        raise PeerCopyError(f"units of {unit_bytes} bytes are not whole, aligned {_WORD_BYTES}-byte words")
-    src = torch.from_numpy((src_addrs - src_origin) // _WORD_BYTES).to(device, non_blocking=True)
-    dst = torch.from_numpy((dst_addrs - dst_origin) // _WORD_BYTES).to(device, non_blocking=True)
-    return GatherPlan(src, dst, unit_bytes // _WORD_BYTES, int(src_addrs.shape[0]))
-
-
-def launch(plan: GatherPlan, src_origin: int, dst_origin: int, stream: Any, chunk_words: int = 4096) -> None:
-    """Enqueue the gather on `stream` (a torch.cuda.Stream of the local device)."""
-    import torch
-    import triton
-
-    try:
-        grid = (plan.num_units, triton.cdiv(plan.unit_words, chunk_words))
-        with torch.cuda.stream(stream):
-            _kernel()[grid](_Ptr(src_origin), _Ptr(dst_origin), plan.src_words, plan.dst_words,
-                            plan.unit_words, CHUNK=chunk_words, num_warps=8)
-    except KVConnectError:
-        raise
-    except Exception as e:
-        raise PeerCopyError(f"gather kernel launch failed: {type(e).__name__}: {e}") from e

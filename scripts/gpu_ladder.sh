@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The GPU ladder of issue 5, on a 2-GPU host (one process per GPU): NIXL per layout, UCX stream
+# tuning, then the CUDA IPC gather, for Llama-3-8B and -70B shapes, scattered and contiguous ids.
+#   bash scripts/gpu_ladder.sh OUTDIR
+set -uo pipefail
+out=${1:?usage: gpu_ladder.sh OUTDIR}
+kv="python3 -m kvconnect.cli --log-level WARNING bench"
+common="--tokens 4096 --block-size 16 --layouts same --pattern scattered,contiguous --reps 10 --warmup 2 \
+  --prefill-device cuda:0 --decode-device cuda:1 --no-progress"
+run() { local name=$1; shift; echo "\$ kvconnect bench $*" | tee "$out/$name.txt"; $kv "$@" 2>&1 | tee -a "$out/$name.txt"; }
+run h200-8b --model llama-3-8b $common --transport nixl,ipc --json "$out/h200-8b.json" --plot "$out/h200-8b.png"
+run h200-8b-ucx-streams --model llama-3-8b $common --transport nixl --ucx UCX_CUDA_IPC_MAX_STREAMS=4
+run h200-70b --model llama-3-70b $common --transport nixl,ipc --json "$out/h200-70b.json" --plot "$out/h200-70b.png"
