@@ -30,7 +30,7 @@ from kvconnect.errors import (
 )
 from kvconnect.handshake import PeerChannel
 from kvconnect.layout import Granularity
-from kvconnect.transfer import Pull, PullHandle, PullPhase
+from kvconnect.transfer import AbandonedReads, Pull, PullHandle, PullPhase
 
 if TYPE_CHECKING:
     from kvconnect.connector import KVConnector
@@ -67,6 +67,7 @@ class DecodeSide:
         self._peers: dict[str, Peer] = {}
         self._local_lists: dict[Granularity, PreppedList] = {}
         self._posted: list[Pull] = []
+        self.abandoned = AbandonedReads(conn.agent)  # given-up READs that may still land
 
     # --- any thread --------------------------------------------------------------------------------
 
@@ -116,7 +117,7 @@ class DecodeSide:
     def _start(self, pull: Pull) -> None:
         peer = self._peers.get(pull.remote_engine_id)
         if peer is not None and (peer.host, peer.port) != (pull.remote_host, pull.remote_port):
-            self._drop_peer(peer, "side channel address changed")
+            self._fail_peer(peer, PeerGoneError(f"engine {peer.engine_id}: side channel address changed"))
             peer = None
         if peer is not None and peer.ready and pull.expected_incarnation not in (None, peer.info.incarnation_id):
             self._drop_peer(peer, f"pull names incarnation {pull.expected_incarnation[:12]}")
@@ -138,8 +139,8 @@ class DecodeSide:
         t0 = time.monotonic()
         try:
             if info.engine_id != peer.engine_id:
-                raise HandshakeError(f"peer at {peer.host}:{peer.port} is engine {info.engine_id!r}, "
-                                     f"not {peer.engine_id!r}")
+                raise InvalidRequestError("kv_transfer_params.remote_engine_id", f"peer at {peer.host}:"
+                                          f"{peer.port} is engine {info.engine_id!r}, not {peer.engine_id!r}")
             pair = PairPlan.build(conn.spec, info.spec)
             peer.agent_name = conn.agent.add_remote(info.agent_metadata)
             remote_mem = MemKind.for_device(info.spec.device)
@@ -197,32 +198,36 @@ class DecodeSide:
         assert peer.pair is not None and peer.remote_list is not None and peer.info is not None
         t0 = time.monotonic()
         try:
-            plan = peer.pair.plan(pull.local_block_ids, pull.remote_block_ids)
+            local, remote = peer.pair.validate(pull.local_block_ids, pull.remote_block_ids)
         except InvalidRequestError as e:
             self._fail(pull, e)
             return
-        pull.plan, pull.incarnation_id = plan, peer.info.incarnation_id
+        pull.incarnation_id = peer.info.incarnation_id
         stats = pull.handle.stats
-        stats.num_blocks, stats.bytes = plan.num_blocks, plan.total_bytes
-        stats.num_descs, stats.num_descs_merged = plan.num_descs, plan.num_descs_merged
         stats.granularity = peer.pair.granularity.name
         stats.transport = peer.transport
-        notif = p.encode_notif(pull.remote_request_id, peer.info.incarnation_id)
         try:
-            if peer.mapped is not None:
-                pull.event = peer.mapped.post(plan)
+            if peer.mapped is not None:  # launch first: the plan below is only bookkeeping for this path
+                pull.event = peer.mapped.post(local, remote)
                 state = XferState.PROC
+                posted_s = time.monotonic()
+                plan = pull.plan = peer.pair.plan_validated(local, remote)
             else:
+                plan = pull.plan = peer.pair.plan_validated(local, remote)
+                notif = p.encode_notif(pull.remote_request_id, peer.info.incarnation_id)
                 pull.xfer = conn.agent.read(self._local_lists[peer.pair.granularity], plan.local_indices,
                                             peer.remote_list, plan.remote_indices, notif)
                 state = conn.agent.post(pull.xfer)
+                posted_s = time.monotonic()
         except KVConnectError as e:
             if isinstance(e, PeerGoneError):
                 self._drop_peer(peer, str(e))
             self._fail(pull, e)
             return
-        pull.posted_s = time.monotonic()
-        stats.post_s = pull.posted_s - t0
+        stats.num_blocks, stats.bytes = plan.num_blocks, plan.total_bytes
+        stats.num_descs, stats.num_descs_merged = plan.num_descs, plan.num_descs_merged
+        pull.posted_s = posted_s
+        stats.post_s = posted_s - t0
         pull.phase = PullPhase.POSTED
         self._posted.append(pull)
         self._check(pull, state)
@@ -293,6 +298,7 @@ class DecodeSide:
                     peer.channel.forget(f"lease:{rid}")
                     self._fail(pull, TransferTimeoutError(f"pull {pull.handle.request_id}: lease not confirmed "
                                                           "before the deadline; data discarded"))
+        self.abandoned.poll()
 
     def _on_reply(self, peer: Peer, ref: str, reply: p.PeerInfo | p.LeaseReply | HandshakeError) -> None:
         if ref == "hello" or (isinstance(reply, HandshakeError) and not ref):
@@ -316,14 +322,14 @@ class DecodeSide:
                                             "when the read finished; data discarded"))
 
     def _abandon(self, pull: Pull, now: float) -> None:
-        self._release_xfer(pull)
+        self.abandoned.add(pull, getattr(self._peers.get(pull.remote_engine_id), "agent_name", ""))
         self.send_release_for(pull)
         if pull.handle.cancel_requested:
             self._fail(pull, TransferError(f"pull {pull.handle.request_id} cancelled"))
         else:
             self._fail(pull, TransferTimeoutError(
                 f"pull {pull.handle.request_id} from {pull.remote_engine_id} not complete after "
-                f"{now - pull.requested_s:.3g}s; handle released"))
+                f"{now - pull.requested_s:.3g}s; abandoned"))
 
     def send_release_for(self, pull: Pull) -> None:
         peer = self._peers.get(pull.remote_engine_id)
@@ -376,12 +382,12 @@ class DecodeSide:
         self._peers.pop(peer.engine_id, None)
         for pull in [x for x in self._posted if x.remote_engine_id == peer.engine_id]:
             self._posted.remove(pull)
-            self._release_xfer(pull)
+            self.abandoned.add(pull, peer.agent_name)
             self._fail(pull, PeerGoneError(f"engine {peer.engine_id} dropped: {why}"))
         for pull in peer.confirming.values():
             self._fail(pull, PeerGoneError(f"engine {peer.engine_id} dropped before confirmation: {why}"))
         peer.confirming.clear()
-        if peer.agent_name:
+        if peer.agent_name and not self.abandoned.uses(peer.agent_name):  # (else freed at close)
             self._conn.agent.remove_remote(peer.agent_name)
         if peer.mapped is not None:
             peer.mapped.close()
@@ -395,3 +401,4 @@ class DecodeSide:
             self._posted.remove(pull)
             self._release_xfer(pull)
             self._fail(pull, TransferError("connector closed"))
+        self.abandoned.close()

@@ -13,6 +13,7 @@ import concurrent.futures as cf
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -44,7 +45,13 @@ def free_port() -> int:
 
 @dataclass
 class Cluster:
-    """The demo's processes; use as a context manager so they always stop."""
+    """The demo's processes; use as a context manager so they always stop.
+
+    Workers are named "prefill", each of `decodes` (default one, "decode") and "aggregated" (unless
+    `aggregated=False`), plus "proxy" in front of the prefill and every decode worker. `extra_args` and
+    `extra_env` add flags and environment per process name. Tests use `signal`, `kill` and `restart`
+    (same port, same engine id) to inject faults, and `rss_bytes` to watch memory.
+    """
 
     prefill_layout: str
     decode_layout: str
@@ -54,20 +61,34 @@ class Cluster:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     urls: dict[str, str] = field(default_factory=dict)
     log_dir: str | None = None
+    extra_env: dict[str, dict[str, str]] = field(default_factory=dict)  # per process name
+    decodes: tuple[str, ...] = ("decode",)
+    aggregated: bool = True
+    _cmds: dict[str, list[str]] = field(default_factory=dict)
 
-    def env(self) -> dict[str, str]:
+    def env(self, name: str | None = None) -> dict[str, str]:
         env = dict(os.environ)
         if self.device == "cpu":  # loopback only: UCX over TCP + cma, on lo
             env.setdefault("UCX_TLS", "tcp,cma,sm,self")
             env.setdefault("UCX_NET_DEVICES", "lo")
         env.setdefault("NIXL_LOG_LEVEL", "WARN")
+        env.update(self.extra_env.get(name or "", {}))
         return env
 
     def _spawn(self, name: str, args: list[str]) -> None:
-        out = open(os.path.join(self.log_dir, f"{name}.log"), "wb") if self.log_dir else subprocess.DEVNULL
         cmd = [sys.executable, "-m", "kvconnect.cli", "--log-level", "WARNING", *args,
                *self.extra_args.get(name, [])]
-        self.procs[name] = subprocess.Popen(cmd, env=self.env(), stdout=out, stderr=subprocess.STDOUT)
+        self._cmds[name] = cmd
+        self._start(name)
+
+    def _start(self, name: str) -> None:
+        if not self.log_dir:
+            self.procs[name] = subprocess.Popen(self._cmds[name], env=self.env(name),
+                                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            return
+        with open(os.path.join(self.log_dir, f"{name}.log"), "ab") as out:  # the child keeps its own copy
+            self.procs[name] = subprocess.Popen(self._cmds[name], env=self.env(name), stdout=out,
+                                                stderr=subprocess.STDOUT)
 
     def _worker(self, name: str, role: str, layout: str) -> None:
         port = free_port()
@@ -79,11 +100,14 @@ class Cluster:
     def __enter__(self) -> Cluster:
         try:
             self._worker("prefill", "prefill", self.prefill_layout)
-            self._worker("decode", "decode", self.decode_layout)
-            self._worker("aggregated", "both", self.decode_layout)
+            for name in self.decodes:
+                self._worker(name, "decode", self.decode_layout)
+            if self.aggregated:
+                self._worker("aggregated", "both", self.decode_layout)
             port = free_port()
+            decode_args = [a for name in self.decodes for a in ("--decode", self.urls[name])]
             self._spawn("proxy", ["proxy", "--host", "127.0.0.1", "--port", str(port), "--prefill",
-                                  self.urls["prefill"], "--decode", self.urls["decode"]])
+                                  self.urls["prefill"], *decode_args])
             self.urls["proxy"] = f"http://127.0.0.1:{port}"
             self.wait_healthy()
         except BaseException:
@@ -91,12 +115,40 @@ class Cluster:
             raise
         return self
 
-    def wait_healthy(self, timeout_s: float = 180.0) -> None:
+    def pid(self, name: str) -> int:
+        return self.procs[name].pid
+
+    def signal(self, name: str, sig: int) -> None:
+        self.procs[name].send_signal(sig)
+
+    def kill(self, name: str, timeout_s: float = 15.0) -> None:
+        """SIGKILL one process and reap it."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout_s)
+
+    def restart(self, name: str, timeout_s: float = 120.0) -> None:
+        """Start a stopped (or killed) process again with the same command: same port, same engine id."""
+        if self.procs[name].poll() is None:
+            self.kill(name)
+        self._start(name)
+        self.wait_healthy(timeout_s, only=[name])
+
+    def rss_bytes(self, name: str) -> int:
+        """Resident memory of one process (VmRSS)."""
+        with open(f"/proc/{self.pid(name)}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError(f"no VmRSS for {name}")
+
+    def wait_healthy(self, timeout_s: float = 180.0, only: list[str] | None = None) -> None:
         deadline = time.monotonic() + timeout_s
-        pending = dict(self.urls)
+        pending = {k: v for k, v in self.urls.items() if only is None or k in only}
         while pending:
-            for proc in self.procs.values():
-                if proc.poll() is not None:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None and (only is None or name in only):
                     raise RuntimeError(f"a demo process exited early with status {proc.returncode} "
                                        f"({' '.join(map(str, proc.args))})")
             for name, url in list(pending.items()):
@@ -115,6 +167,7 @@ class Cluster:
     def stop(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)  # a stopped process would not act on SIGTERM
                 proc.terminate()
         for proc in self.procs.values():
             try:

@@ -9,12 +9,15 @@ the data it read was still reserved at the time: only COMPLETED means yes.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvconnect.errors import LeaseError
 from kvconnect.protocol import LeaseState
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,6 +47,7 @@ class LeaseTable:
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         self._leased_blocks: set[int] = set()
+        self._expire_on_read = 0  # fault injection: see `expire_next_reads`
         self.counts = {state: 0 for state in LeaseState}
 
     # --- queries -----------------------------------------------------------------------------------
@@ -62,6 +66,11 @@ class LeaseTable:
     def num_blocks_held(self) -> int:
         with self._lock:
             return len(self._leased_blocks)
+
+    def held(self) -> list[Lease]:
+        """Snapshot of the leases still held."""
+        with self._lock:
+            return [Lease(**vars(x)) for x in self._leases.values() if x.state is LeaseState.HELD]
 
     # --- transitions -------------------------------------------------------------------------------
 
@@ -84,6 +93,14 @@ class LeaseTable:
 
     def complete(self, request_id: str) -> LeaseState:
         """The reader finished (notification or confirmation). Returns the lease's final state."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            injected = self._expire_on_read > 0 and lease is not None and lease.state is LeaseState.HELD
+            if injected:
+                self._expire_on_read -= 1
+        if injected:  # as if the TTL had run out while the reader was reading
+            log.warning("lease %s expired as its read finished (fault injection)", request_id)
+            return self._end(request_id, LeaseState.EXPIRED)
         return self._end(request_id, LeaseState.COMPLETED)
 
     def release(self, request_id: str) -> LeaseState:
@@ -100,13 +117,27 @@ class LeaseTable:
                     expired.append(lease)
                 elif lease.state is not LeaseState.HELD and now - lease.ended_s >= self.tombstone_s:
                     del self._leases[rid]
-        return [lease for lease in expired if self._end(lease.request_id, LeaseState.EXPIRED) is LeaseState.EXPIRED]
+        ended = [x for x in expired if self._end(x.request_id, LeaseState.EXPIRED) is LeaseState.EXPIRED]
+        for lease in ended:
+            log.warning("lease %s expired unread after %.3gs: %d blocks back to the allocator",
+                        lease.request_id, now - lease.granted_s, len(lease.block_ids))
+        return ended
 
-    def force_expire(self, request_id: str) -> LeaseState:
-        """Expire one lease now (fault injection and operator tooling)."""
-        return self._end(request_id, LeaseState.EXPIRED)
+    def force_expire(self, request_id: str, scrub: Callable[[list[int]], None] | None = None) -> LeaseState:
+        """Expire one lease now (fault injection and operator tooling). `scrub(block_ids)` runs after the
+        lease has ended but before its blocks are freed, so it may overwrite them safely."""
+        state = self._end(request_id, LeaseState.EXPIRED, scrub)
+        if state is LeaseState.EXPIRED:
+            log.warning("lease %s force-expired", request_id)
+        return state
 
-    def _end(self, request_id: str, how: LeaseState) -> LeaseState:
+    def expire_next_reads(self, count: int) -> None:
+        """Fault injection: the next `count` reads to finish find their lease expired (as if mid-read)."""
+        with self._lock:
+            self._expire_on_read = max(0, int(count))
+
+    def _end(self, request_id: str, how: LeaseState,
+             scrub: Callable[[list[int]], None] | None = None) -> LeaseState:
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None:
@@ -119,5 +150,7 @@ class LeaseTable:
             self.counts[how] += 1
             self.counts[LeaseState.HELD] -= 1
             blocks = list(lease.block_ids)
+        if scrub is not None:
+            scrub(blocks)
         self._on_free(blocks)
         return how

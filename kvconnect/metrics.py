@@ -1,11 +1,16 @@
 """Prometheus metrics of one worker (its own registry, so several workers can share a process).
 
-Names follow vLLM's `nixl_*` connector metrics where they fit, under the `kvconnect_` prefix.
+Names follow vLLM's `nixl_*` connector metrics where they fit, under the `kvconnect_` prefix. Failure
+classes: failed pulls by error class, handshake failures, side-channel refusals, stale notifications,
+ended leases by outcome, recomputed and quarantined pulls, and finished requests by outcome.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvconnect.errors import KVConnectError
 from kvconnect.transfer import PullStats
@@ -13,6 +18,31 @@ from kvconnect.transfer import PullStats
 _TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _BYTE_BUCKETS = tuple(float(2**k) for k in range(12, 36, 2))
 _DESC_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
+
+# values read from the connector at scrape time: name -> (kind, help)
+SNAPSHOT = {
+    "kvconnect_pulls_ok": ("counter", "pulls completed with the lease confirmed"),
+    "kvconnect_handshakes": ("counter", "successful handshakes with prefill peers"),
+    "kvconnect_handshake_failures": ("counter", "failed or timed-out handshakes"),
+    "kvconnect_notifs": ("counter", "read notifications received (prefill side)"),
+    "kvconnect_stale_notifs": ("counter", "notifications naming another incarnation, ignored"),
+    "kvconnect_side_channel_refused": ("counter", "side-channel messages refused: malformed, version, auth"),
+    "kvconnect_abandoned_reads": ("gauge", "given-up READs that may still write into their blocks"),
+    "kvconnect_quarantined_blocks": ("gauge", "blocks held until an abandoned READ into them ends"),
+}
+
+
+class _Snapshot:
+    """A collector that reads plain numbers from the owner at scrape time (no double bookkeeping)."""
+
+    def __init__(self, read: Callable[[], dict[str, float]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        values = self._read()
+        for name, (kind, text) in SNAPSHOT.items():
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(name, text, value=float(values.get(name, 0)))
 
 
 class WorkerMetrics:
@@ -33,12 +63,18 @@ class WorkerMetrics:
         self.requests = Counter("kvconnect_requests", "finished requests by outcome", ["outcome"], registry=r)
         self.recomputed = Counter("kvconnect_recomputed_prefills", "prompts recomputed after a failed pull",
                                   registry=r)
+        self.quarantined = Counter("kvconnect_quarantined_pulls", "failed pulls whose blocks were held until "
+                                   "their abandoned READ ended", registry=r)
         self.leases_held = Gauge("kvconnect_leases_held", "prefill leases waiting for a reader", registry=r)
         self.lease_blocks = Gauge("kvconnect_lease_blocks_held", "blocks held by leases", registry=r)
         self.lease_outcomes = Gauge("kvconnect_leases_ended", "ended leases by outcome", ["outcome"], registry=r)
         self.free_blocks = Gauge("kvconnect_free_blocks", "free KV blocks", registry=r)
         self.running = Gauge("kvconnect_num_requests_running", "admitted requests", registry=r)
         self.waiting = Gauge("kvconnect_num_requests_waiting", "requests queued for blocks", registry=r)
+
+    def bind(self, read: Callable[[], dict[str, float]]) -> None:
+        """Expose the `SNAPSHOT` values that `read()` returns at each scrape."""
+        self.registry.register(_Snapshot(read))
 
     def on_pull_done(self, stats: PullStats, error: KVConnectError | None) -> None:
         if error is not None:

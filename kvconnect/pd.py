@@ -4,14 +4,20 @@ Token accounting (shared by both sides, so disaggregated equals aggregated): the
 prompt of n tokens as a prefill of tokens [0, n-1) followed by a decode step on token n-1. So the
 decode side needs the KV of the first n-1 tokens, which live in `blocks_for(n - 1)` blocks; it
 recomputes the last prompt token itself. A one-token prompt has nothing to transfer.
+
+Failed pulls: the loader tells the prefill side to free the lease at once (unless it already ended),
+refuses to recompute a request that was invalid (a 400 stays a 400), and holds on to blocks an
+abandoned READ may still write into ("quarantine", see `transfer.AbandonedReads`) until that READ ends;
+its owner is told at once so the request itself need not wait.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from kvconnect.connector import KVConnector
-from kvconnect.errors import InvalidRequestError, KVConnectError
+from kvconnect.errors import AuthError, InvalidRequestError, KVConnectError, LeaseLostError
 from kvconnect.protocol import KVTransferParams
 from kvconnect.transfer import PullHandle
 
@@ -64,29 +70,41 @@ class LeaseKeeper:
         return True
 
 
+# pull-level names of fields that come from the request's kv_transfer_params
+_REQUEST_FIELDS = {"remote_block_ids": "kv_transfer_params.remote_block_ids"}
+
+# on_failed(request_id, error, quarantined): called once per failed pull, on the engine thread
+FailureCallback = Callable[[str, KVConnectError, bool], None]
+
+
 class PullLoader:
     """KVLoader: pull the remote prompt blocks into the blocks the engine allocated."""
 
-    def __init__(self, connector: KVConnector, params: KVTransferParams, policy: str, block_size: int) -> None:
+    def __init__(self, connector: KVConnector, params: KVTransferParams, policy: str, block_size: int,
+                 on_failed: FailureCallback | None = None) -> None:
         self._connector = connector
         self._params = params
         self._policy = policy
         self._block_size = block_size
+        self._on_failed = on_failed
+        self._request_id = ""
         self.handle: PullHandle | None = None
         self.error: KVConnectError | None = None
+        self.quarantined = False  # failed, but an abandoned READ may still land in its blocks
 
     @property
     def policy(self) -> str:
-        return self._policy
+        """The configured policy, except that an invalid request is refused, never recomputed."""
+        return "fail" if isinstance(self.error, InvalidRequestError) else self._policy
 
     def start(self, request_id: str, block_ids: list[int], num_prompt_tokens: int) -> PullLoader:
+        self._request_id = request_id
         try:
             check_remote_blocks(self._params, num_prompt_tokens, self._block_size)
             k = blocks_to_transfer(num_prompt_tokens, self._block_size)
             self.handle = self._connector.pull(self._params, block_ids[:k], request_id)
         except KVConnectError as e:
-            self.error = e
-            raise
+            raise self._failed(e, quarantined=False) from None
         return self
 
     def poll(self) -> bool | None:
@@ -94,8 +112,33 @@ class PullLoader:
         try:
             return self.handle.poll()
         except KVConnectError as e:
-            self.error = e
-            raise
+            if not self.handle.settled():  # keep the blocks (the engine holds a loading request's) for now
+                if not self.quarantined:
+                    self.quarantined = True
+                    self._failed(e, quarantined=True)
+                return None
+            if self.error is None:
+                self._failed(e, quarantined=False)
+            assert self.error is not None
+            raise self.error from None
+
+    def _failed(self, error: KVConnectError, quarantined: bool) -> KVConnectError:
+        field = getattr(error, "field", None)
+        if isinstance(error, InvalidRequestError) and field in _REQUEST_FIELDS:
+            error = InvalidRequestError(_REQUEST_FIELDS[field], error.reason)
+        self.error = error
+        unknown_engine = isinstance(error, InvalidRequestError) and error.field.endswith("remote_engine_id")
+        if not isinstance(error, (LeaseLostError, AuthError)) and not unknown_engine:
+            try:  # nobody will read this lease now: let the prefill side free it at once
+                self._connector.release_remote(self._params)
+            except KVConnectError as e:
+                log.debug("request %s: lease release not sent: %s", self._request_id, e)
+        if self._on_failed is not None:
+            try:
+                self._on_failed(self._request_id, error, quarantined)
+            except Exception:
+                log.exception("request %s: on_failed callback raised", self._request_id)
+        return error
 
     def abandon(self) -> None:
         """The request went away: stop the pull, or free the remote lease if it never started."""

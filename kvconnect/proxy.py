@@ -4,8 +4,10 @@ For each OpenAI request: the prefill leg goes to the next prefill worker (round 
 max_tokens=1, stream=false and kv_transfer_params={"do_remote_decode": true}; the kv_transfer_params it
 returns are copied into the original request, which goes to the next decode worker, and the decode
 answer (streamed or not) is relayed to the client. Both legs carry the same x-request-id. Clients cannot
-choose destinations: their own kv_transfer_params are replaced. A failed leg returns a clear error; if
-the decode leg cannot be reached, the prefill lease is released over the side channel at once.
+choose destinations: their own kv_transfer_params are replaced. A failed leg returns a clear error (a
+decode answer that breaks mid-stream ends with an error event). If the decode leg cannot be reached, or
+the client goes away before the decode answer is complete, the prefill lease is released over the side
+channel at once instead of waiting for its TTL. Outcomes are counted in /metrics.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 import httpx
 import zmq
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
@@ -37,6 +40,23 @@ from kvconnect.openai_api import error_body
 log = logging.getLogger(__name__)
 
 
+class ClientGone(Exception):
+    """The client disconnected while the proxy was waiting on a leg."""
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("kvconnect_proxy_requests", "requests by outcome: ok, bad_request, "
+                                "prefill_failed, decode_failed, client_aborted", ["outcome"], registry=r)
+        self.leg_errors = Counter("kvconnect_proxy_leg_errors", "failed legs by leg and error class",
+                                  ["leg", "reason"], registry=r)
+        self.releases = Counter("kvconnect_proxy_lease_releases", "prefill leases released by the proxy",
+                                ["reason", "state"], registry=r)
+        self.in_flight = Gauge("kvconnect_proxy_legs_in_flight", "legs waiting for a worker's answer",
+                               ["leg"], registry=r)
+
+
 class Proxy:
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 300.0,
                  secret: str = "") -> None:
@@ -49,6 +69,7 @@ class Proxy:
         self._timeout = httpx.Timeout(timeout_s, connect=5.0)
         self._secret = secret.encode()
         self.client: httpx.AsyncClient | None = None
+        self.metrics = ProxyMetrics()
 
     async def startup(self) -> None:
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
@@ -67,76 +88,136 @@ class Proxy:
             if not isinstance(body, dict):
                 raise ValueError("the body must be a JSON object")
         except ValueError as e:
+            self.metrics.requests.labels("bad_request").inc()
             return JSONResponse(error_body(400, f"invalid JSON body: {e}", "body"), status_code=400)
         body.pop("kv_transfer_params", None)  # never let a client pick where workers connect
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            return await self._legs(request_id, path, body, headers, gone)
+        finally:
+            gone.cancel()
 
+    async def _legs(self, request_id: str, path: str, body: dict[str, Any], headers: dict[str, str],
+                    gone: asyncio.Future[None]) -> Response:
+        assert self.client is not None
         prefill_url = self.prefill_urls[next(self._prefill_rr)]
         leg = {k: v for k, v in body.items() if k not in ("stream_options",)}
         leg.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
         if "max_completion_tokens" in leg:
             leg["max_completion_tokens"] = 1
-        try:
-            resp = await self.client.post(prefill_url + path, json=leg, headers=headers)
+        try:  # not raced with `gone`: a prefill answer leases blocks, which we must learn of to release them
+            with self.metrics.in_flight.labels("prefill").track_inprogress():
+                resp = await self.client.post(prefill_url + path, json=leg, headers=headers)
         except httpx.HTTPError as e:
-            return self._leg_failed("prefill", prefill_url, f"{type(e).__name__}: {e}")
+            return self._leg_failed(request_id, "prefill", prefill_url, e)
         if resp.status_code != 200:
-            return self._relay_error("prefill", prefill_url, resp)
+            return self._relay_error(request_id, "prefill", prefill_url, resp)
         try:
             params = resp.json().get("kv_transfer_params")
         except ValueError:
-            return self._leg_failed("prefill", prefill_url, "answer is not JSON")
+            return self._leg_failed(request_id, "prefill", prefill_url, "answer is not JSON")
         decode_body = dict(body)
         if params:
             decode_body["kv_transfer_params"] = params
 
         decode_url = self.decode_urls[next(self._decode_rr)]
         req = self.client.build_request("POST", decode_url + path, json=decode_body, headers=headers)
+        if gone.done():
+            return await self._client_aborted(request_id, params, "during the prefill leg")
         try:
-            upstream = await self.client.send(req, stream=True)
+            with self.metrics.in_flight.labels("decode").track_inprogress():
+                upstream = await _unless_gone(self.client.send(req, stream=True), gone)
+        except ClientGone:
+            return await self._client_aborted(request_id, params, "before the decode leg answered")
         except httpx.HTTPError as e:
-            if params:
-                await self._release(params)
-            return self._leg_failed("decode", decode_url, f"{type(e).__name__}: {e}")
+            await self._release(request_id, params, "decode_unreachable")
+            return self._leg_failed(request_id, "decode", decode_url, e)
         if upstream.status_code != 200:
             await upstream.aread()
             await upstream.aclose()
-            return self._relay_error("decode", decode_url, upstream)
+            return self._relay_error(request_id, "decode", decode_url, upstream)
         media = upstream.headers.get("content-type", "application/json")
-        return StreamingResponse(self._relay(upstream), media_type=media,
-                                 headers={"x-request-id": request_id}, background=BackgroundTask(upstream.aclose))
+        if not media.startswith("text/event-stream"):  # read it whole: a broken answer becomes a clear 502
+            try:
+                content = await _unless_gone(upstream.aread(), gone)
+            except ClientGone:
+                return await self._client_aborted(request_id, params, "during the decode answer")
+            except httpx.HTTPError as e:
+                return self._leg_failed(request_id, "decode", decode_url, e)
+            finally:
+                await upstream.aclose()
+            self.metrics.requests.labels("ok").inc()
+            return Response(content, media_type=media, headers={"x-request-id": request_id})
+        return StreamingResponse(self._relay(request_id, decode_url, upstream), media_type=media,
+                                 headers={"x-request-id": request_id},
+                                 background=BackgroundTask(upstream.aclose))
 
-    @staticmethod
-    async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
-        async for chunk in upstream.aiter_raw():
-            yield chunk
+    async def _relay(self, request_id: str, url: str, upstream: httpx.Response) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as e:
+            self._count_failure(request_id, "decode", url, e)
+            err = error_body(502, f"decode worker {url} failed mid-stream: {type(e).__name__}: {e}")
+            yield b"data: " + json.dumps(err).encode() + b"\n\n"
+            return
+        except (asyncio.CancelledError, GeneratorExit):
+            self.metrics.requests.labels("client_aborted").inc()
+            log.info("request %s: client went away during the decode stream from %s", request_id, url)
+            raise
+        self.metrics.requests.labels("ok").inc()
 
-    async def _release(self, params: dict[str, Any]) -> None:
+    async def _client_aborted(self, request_id: str, params: dict[str, Any] | None, when: str) -> Response:
+        self.metrics.requests.labels("client_aborted").inc()
+        log.info("request %s: client went away %s; releasing its prefill lease", request_id, when)
+        await self._release(request_id, params, "client_aborted")
+        return Response(status_code=499)
+
+    async def _release(self, request_id: str, params: dict[str, Any] | None, reason: str) -> None:
         """Free a lease nobody will read (best effort, off the event loop)."""
         try:
             kv = p.parse_kv_transfer_params(params)
             if kv is None or not (kv.remote_host and kv.remote_port and kv.remote_request_id):
                 return
             msg = p.LeaseRequest(p.PROTOCOL_VERSION, "proxy", kv.remote_request_id, p.LeaseAction.RELEASE)
-            await asyncio.to_thread(side_request, zmq.Context.instance(), kv.remote_host, kv.remote_port, msg,
-                                    2.0, self._secret)
+            reply = await asyncio.to_thread(side_request, zmq.Context.instance(), kv.remote_host,
+                                            kv.remote_port, msg, 2.0, self._secret)
+            state = reply.state.value if isinstance(reply, p.LeaseReply) else "?"
+            self.metrics.releases.labels(reason, state).inc()
+            log.info("request %s: prefill lease %s released (%s): now %s", request_id, kv.remote_request_id,
+                     reason, state)
         except KVConnectError as e:
-            log.warning("could not release prefill lease: %s", e)
+            self.metrics.releases.labels(reason, "error").inc()
+            log.warning("request %s: could not release its prefill lease: %s", request_id, e)
 
-    @staticmethod
-    def _leg_failed(leg: str, url: str, reason: str) -> JSONResponse:
-        log.warning("%s leg to %s failed: %s", leg, url, reason)
+    def _count_failure(self, request_id: str, leg: str, url: str, error: object) -> str:
+        reason = type(error).__name__ if isinstance(error, Exception) else "bad_answer"
+        self.metrics.requests.labels(f"{leg}_failed").inc()
+        self.metrics.leg_errors.labels(leg, reason).inc()
+        log.warning("request %s: %s leg to %s failed: %s", request_id, leg, url,
+                    f"{reason}: {error}" if isinstance(error, Exception) else error)
+        return f"{reason}: {error}" if isinstance(error, Exception) else str(error)
+
+    def _leg_failed(self, request_id: str, leg: str, url: str, error: object) -> JSONResponse:
+        reason = self._count_failure(request_id, leg, url, error)
         return JSONResponse(error_body(502, f"{leg} worker {url} failed: {reason}"), status_code=502)
 
-    @staticmethod
-    def _relay_error(leg: str, url: str, resp: httpx.Response) -> JSONResponse:
+    def _relay_error(self, request_id: str, leg: str, url: str, resp: httpx.Response) -> JSONResponse:
         try:
             inner = resp.json().get("error", {}).get("message") or resp.text
         except ValueError:
             inner = resp.text
         status = resp.status_code if resp.status_code < 500 else 502
-        log.warning("%s leg to %s answered %d: %s", leg, url, resp.status_code, inner)
+        outcome = "bad_request" if status < 500 else f"{leg}_failed"
+        self.metrics.requests.labels(outcome).inc()
+        self.metrics.leg_errors.labels(leg, f"http_{resp.status_code}").inc()
+        # (info: the worker that refused or failed the leg has logged it already)
+        log.info("request %s: %s leg to %s answered %d: %s", request_id, leg, url, resp.status_code, inner)
         return JSONResponse(error_body(status, f"{leg} worker {url} answered {resp.status_code}: {inner}"),
                             status_code=status)
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type="text/plain; version=0.0.4")
 
     async def health(self, request: Request) -> Response:
         assert self.client is not None
@@ -156,7 +237,7 @@ class Proxy:
             r = await self.client.get(self.decode_urls[0] + "/v1/models")
             return Response(r.content, status_code=r.status_code, media_type="application/json")
         except httpx.HTTPError as e:
-            return self._leg_failed("decode", self.decode_urls[0], str(e))
+            return self._leg_failed("-", "decode", self.decode_urls[0], e)
 
     def app(self) -> Starlette:
         async def completions(request: Request) -> Response:
@@ -171,6 +252,7 @@ class Proxy:
                 Route("/v1/chat/completions", chat, methods=["POST"]),
                 Route("/v1/models", self.models),
                 Route("/health", self.health),
+                Route("/metrics", self.metrics_endpoint),
             ],
             lifespan=self._lifespan,
         )
@@ -182,6 +264,26 @@ class Proxy:
             yield
         finally:
             await self.shutdown()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone away (the body must already have been read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_gone(aw: Any, gone: asyncio.Future[None]) -> Any:
+    """Await `aw`, or raise ClientGone (cancelling it) if the client disconnects first."""
+    task = asyncio.ensure_future(aw)
+    await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+        await task
+    raise ClientGone
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -3,6 +3,11 @@
 Roles follow vLLM's kv_role: `prefill` answers `do_remote_decode` requests by computing the prompt,
 leasing its blocks and returning kv_transfer_params; `decode` answers `do_remote_prefill` requests by
 pulling those blocks and generating; `both` does either, and plain requests too.
+
+A failed pull ends the request with a 502 naming the error, or under `failure_policy=recompute` the
+prompt is computed locally. A pull abandoned while its READ may still land keeps its blocks quarantined
+until that READ ends, so the request is aborted in the engine and, under recompute, computed again in
+fresh blocks. KVCONNECT_FAULT_INJECTION=1 mounts the admin endpoints of `faults.py`.
 """
 
 from __future__ import annotations
@@ -16,12 +21,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvconnect import faults
 from kvconnect import openai_api as api
 from kvconnect.config import ConnectorConfig, connector_config, env_setting
 from kvconnect.connector import KVConnector
@@ -58,8 +63,38 @@ class Worker:
         self.metrics = WorkerMetrics()
         self.connector = KVConnector(self.engine.cache, conn_config, on_blocks_freed=self.engine.allocator.free,
                                      on_pull_done=self.metrics.on_pull_done)
+        self.metrics.bind(self._snapshot)
         self.block_size = engine_config.block_size
         self.engine.start()
+
+    def _snapshot(self) -> dict[str, float]:
+        c, abandoned = self.connector.counters, self.connector.decode.abandoned
+        server = getattr(self.connector, "_server", None)  # the side channel's refusal count
+        return {"kvconnect_pulls_ok": c.pulls_ok, "kvconnect_handshakes": c.handshakes,
+                "kvconnect_handshake_failures": c.handshake_failures, "kvconnect_notifs": c.notifs,
+                "kvconnect_stale_notifs": c.stale_notifs,
+                "kvconnect_side_channel_refused": getattr(server, "num_refused", 0),
+                "kvconnect_abandoned_reads": len(abandoned),
+                "kvconnect_quarantined_blocks": abandoned.num_blocks}
+
+    def _on_pull_failed(self, request_id: str, error: KVConnectError, quarantined: bool) -> None:
+        """A pull failed (engine thread). The connector already logged it with the request id and peer."""
+        if quarantined:  # the blocks stay with the engine until the READ ends; end the request meanwhile
+            self.metrics.quarantined.inc()
+            log.info("request %s: its abandoned READ may still land; blocks held until it ends", request_id)
+            self.engine.abort(request_id)
+        elif self.connector.config.failure_policy == "recompute":
+            if not isinstance(error, InvalidRequestError):  # (PullLoader.policy: a bad request is refused)
+                self.metrics.recomputed.inc()  # the engine computes the prompt in the same blocks
+
+    def _submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                loader: PullLoader | None, keeper: LeaseKeeper | None) -> asyncio.Queue[TokenEvent]:
+        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self.engine.add_request(request_id, prompt_ids, sampling,
+                                lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+                                kv_loader=loader, kv_keeper=keeper)
+        return events
 
     def close(self) -> None:
         self.engine.stop()
@@ -86,25 +121,33 @@ class Worker:
                     raise InvalidRequestError("kv_transfer_params.do_remote_prefill",
                                               "this worker's role is prefill")
                 check_remote_blocks(kv, len(prompt_ids), self.block_size)
-                loader = PullLoader(self.connector, kv, self.connector.config.failure_policy, self.block_size)
-            events: asyncio.Queue[TokenEvent] = asyncio.Queue()
-            loop = asyncio.get_running_loop()
-            self.engine.add_request(request_id, prompt_ids, sampling,
-                                    lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                                    kv_loader=loader, kv_keeper=keeper)
+                loader = PullLoader(self.connector, kv, self.connector.config.failure_policy, self.block_size,
+                                    on_failed=self._on_pull_failed)
+            events = self._submit(request_id, prompt_ids, sampling, loader, keeper)
         except LocalError as e:
             if kv is not None and kv.do_remote_prefill:
                 self.connector.release_remote(kv)  # refused: free the prefill's blocks now
             self.metrics.requests.labels("rejected").inc()
             return self._error(400, e)
+        engine_rid = request_id
         first = await events.get()
+        if first.finished and loader is not None and loader.quarantined:
+            if loader.policy != "recompute":
+                return self._failed(first, loader)
+            engine_rid = f"{request_id}:recompute"  # fresh blocks: the old ones wait for their READ to end
+            try:
+                events = self._submit(engine_rid, prompt_ids, sampling, None, None)
+            except LocalError as e:
+                return self._error(503, e)
+            self.metrics.recomputed.inc()
+            first = await events.get()
         if first.finished and first.finish_reason == "error":
             return self._failed(first, loader)
-        tail = self._stream(request, request_id, body, first, events, keeper, loader, chat, len(prompt_ids))
+        tail = self._stream(request, engine_rid, body, first, events, keeper, loader, chat, len(prompt_ids))
         if body.stream:
             return StreamingResponse(tail, media_type="text/event-stream")
         text, ids, finish = "", [], None
-        async for ev in self._events(request, request_id, first, events, loader):
+        async for ev in self._events(request, engine_rid, first, events, loader):
             if ev.token_id is not None:
                 ids.append(ev.token_id)
             finish = ev.finish_reason.value if ev.finish_reason else finish
@@ -128,6 +171,7 @@ class Worker:
                     return
                 ev = await events.get()
         except (asyncio.CancelledError, GeneratorExit):  # client went away
+            self.metrics.requests.labels("abort").inc()
             self.engine.abort(request_id)
             if loader is not None:
                 loader.abandon()
@@ -137,10 +181,11 @@ class Worker:
                       events: asyncio.Queue[TokenEvent], keeper: LeaseKeeper | None, loader: PullLoader | None,
                       chat: bool, num_prompt: int) -> AsyncIterator[bytes]:
         decoder = self.engine.tokenizer.incremental_decoder()
+        out_id = request_id.removesuffix(":recompute")
         is_first = True
         async for ev in self._events(request, request_id, first, events, loader):
             if ev.token_id is not None:
-                chunk = api.stream_chunk(request_id, MODEL_NAME, decoder.feed(ev.token_id), [ev.token_id], None,
+                chunk = api.stream_chunk(out_id, MODEL_NAME, decoder.feed(ev.token_id), [ev.token_id], None,
                                          chat, body.return_token_ids, first=is_first)
                 is_first = False
                 yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
@@ -151,7 +196,7 @@ class Worker:
                     err = api.error_body(502, ev.error or "generation failed")
                     yield b"data: " + json.dumps(err).encode() + b"\n\n"
                 else:
-                    chunk = api.stream_chunk(request_id, MODEL_NAME, decoder.flush(), [], reason, chat,
+                    chunk = api.stream_chunk(out_id, MODEL_NAME, decoder.flush(), [], reason, chat,
                                              body.return_token_ids, first=is_first)
                     chunk["kv_transfer_params"] = self._params_out(keeper)
                     chunk["usage"] = {"prompt_tokens": num_prompt, "completion_tokens": ev.num_output_tokens,
@@ -195,6 +240,9 @@ class Worker:
                              "free_blocks": self.engine.allocator.num_free,
                              "total_blocks": self.engine.allocator.num_total,
                              "leased_blocks": self.connector.leases.num_blocks_held,
+                             "allocated_blocks": self.engine.allocator.num_allocated,
+                             "quarantined_blocks": self.connector.decode.abandoned.num_blocks,
+                             "loading": self.engine.num_loading, "running": self.engine.num_running,
                              "side_channel_port": self.connector.side_channel_port})
 
     async def models(self, request: Request) -> Response:
@@ -219,13 +267,17 @@ class Worker:
         async def chat(request: Request) -> Response:
             return await self.generate(request, chat=True)
 
-        return Starlette(routes=[
+        routes = [
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/models", self.models),
             Route("/health", self.health),
             Route("/metrics", self.metrics_endpoint),
-        ])
+        ]
+        if faults.enabled():
+            log.warning("fault-injection admin endpoints are enabled (KVCONNECT_FAULT_INJECTION)")
+            routes += faults.routes(self)
+        return Starlette(routes=routes)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -242,12 +294,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-id", default=None)
     p.add_argument("--lease-ttl-s", type=float, default=None)
     p.add_argument("--failure-policy", choices=["fail", "recompute"], default=None)
+    p.add_argument("--pull-timeout-s", type=float, default=None, help="deadline of one pull (READ + confirm)")
+    p.add_argument("--handshake-timeout-s", type=float, default=None)
 
 
 def build_worker(args: argparse.Namespace) -> Worker:
     conn = connector_config(
         engine_id=args.engine_id, side_channel_host=args.side_channel_host, side_channel_port=args.side_channel_port,
         advertise_host=args.advertise_host, lease_ttl_s=args.lease_ttl_s, failure_policy=args.failure_policy,
+        pull_timeout_s=args.pull_timeout_s, handshake_timeout_s=args.handshake_timeout_s,
     )
     engine = EngineConfig(layout=LayoutKind(args.layout), block_size=args.block_size, num_blocks=args.num_blocks,
                           device=args.device)

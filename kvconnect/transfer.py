@@ -9,6 +9,7 @@ was held.
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,9 +17,11 @@ from typing import Any
 
 import msgspec
 
-from kvconnect.agent import XferHandle
+from kvconnect.agent import NixlAgent, XferHandle, XferState
 from kvconnect.descriptors import PullPlan
-from kvconnect.errors import KVConnectError, TransferTimeoutError
+from kvconnect.errors import KVConnectError, PeerGoneError, TransferTimeoutError
+
+log = logging.getLogger(__name__)
 
 
 class PullPhase(str, enum.Enum):
@@ -60,6 +63,8 @@ class PullHandle:
         self.stats = PullStats(request_id, remote_engine_id)
         self._event = threading.Event()
         self._error: KVConnectError | None = None
+        self._settled = threading.Event()
+        self._settled.set()
         self.cancel_requested = False
 
     def done(self) -> bool:
@@ -87,6 +92,11 @@ class PullHandle:
     def cancel(self) -> None:
         """Ask the loop to abandon the pull (its blocks must not be used)."""
         self.cancel_requested = True
+
+    def settled(self) -> bool:
+        """False while an abandoned READ may still write into the local blocks: a failed pull's blocks
+        may be reused (freed, recomputed into) only once this is True. See `AbandonedReads`."""
+        return self._settled.is_set()
 
     def _finish(self, error: KVConnectError | None) -> None:
         self._error = error
@@ -121,3 +131,62 @@ class Pull:
         self.phase = PullPhase.FAILED if error else PullPhase.DONE
         self.handle.stats.total_s = now - self.requested_s
         self.handle._finish(error)
+
+
+class AbandonedReads:
+    """READs given up on (deadline, cancellation, peer dropped) that may still write into their blocks.
+
+    NIXL cannot cancel a posted READ: over UCX/TCP a hung peer that resumes still delivers the data,
+    after `release_xfer_handle` and even after `remove_remote_agent` (probed; see tests/test_faults.py).
+    So an abandoned READ keeps its handle and is polled until it ends (done, error, or the peer is gone);
+    until then its `PullHandle.settled()` is False and the owner must not reuse the blocks.
+    """
+
+    def __init__(self, agent: NixlAgent) -> None:
+        self._agent = agent
+        self._pulls: list[tuple[Pull, str]] = []
+
+    def add(self, pull: Pull, agent_name: str) -> None:
+        if pull.xfer is None:
+            return
+        pull.handle._settled.clear()
+        self._pulls.append((pull, agent_name))
+
+    def __len__(self) -> int:
+        return len(self._pulls)
+
+    def uses(self, agent_name: str) -> bool:
+        return any(name == agent_name for _, name in self._pulls)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(pull.local_block_ids) for pull, _ in list(self._pulls))  # (read from any thread)
+
+    def poll(self) -> None:
+        for item in list(self._pulls):
+            pull = item[0]
+            assert pull.xfer is not None
+            try:
+                state = self._agent.state(pull.xfer)
+            except PeerGoneError:
+                state = XferState.ERR  # the connection is gone: nothing more can land
+            except KVConnectError as e:
+                log.warning("abandoned pull %s: cannot poll its READ (%s); treating it as ended",
+                            pull.handle.request_id, e)
+                state = XferState.ERR
+            if state is XferState.PROC:
+                continue
+            self._pulls.remove(item)
+            self._agent.release(pull.xfer)
+            pull.xfer = None
+            pull.handle._settled.set()
+            log.info("abandoned pull %s: its READ ended (%s); %d local blocks are safe again",
+                     pull.handle.request_id, state.value, len(pull.local_block_ids))
+
+    def close(self) -> None:
+        for pull, _ in self._pulls:
+            if pull.xfer is not None:
+                self._agent.release(pull.xfer)
+                pull.xfer = None
+            pull.handle._settled.set()
+        self._pulls.clear()

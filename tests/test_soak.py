@@ -1,0 +1,337 @@
+"""Soak: requests through the proxy at concurrency 32 while faults are injected at random.
+
+Faults: client aborts (the client hangs up after a random delay), forced lease expiries with the blocks
+scribbled over (and reads armed to find their lease expired), one SIGKILL + restart of a decode worker
+and one of the prefill worker. Two decode workers sit behind the proxy: "decode" fails a request whose
+pull failed, "decode-r" recomputes it. At the end: every completion equals the aggregated worker's or
+failed with an error naming its class; none is wrong and none unexplained; no block is leased,
+allocated or quarantined on any worker; every process stays under RSS_BOUND_BYTES of resident memory
+and those never restarted grew less than RSS_GROWTH_BYTES; each failure class a client saw is counted
+in /metrics; and the failure each client saw was logged once (one WARNING line with its request id).
+
+CI runs KVCONNECT_SOAK_REQUESTS requests (default 200). The full run:
+    KVCONNECT_SOAK_REQUESTS=1000 .venv/bin/pytest -q -s tests/test_soak.py
+prints its figures as JSON (also written to $KVCONNECT_SOAK_REPORT when that is set).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import json
+import os
+import random
+import re
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from kvconnect.demo import Cluster
+from tests.faultkit import health, idle, log_text, poll_until, scrape
+
+NUM_REQUESTS = int(os.environ.get("KVCONNECT_SOAK_REQUESTS", "200"))
+CONCURRENCY = 32
+SEED = int(os.environ.get("KVCONNECT_SOAK_SEED", "20261129"))
+TTL_S = 8.0
+ABORT_P, STREAM_P, CHAT_P = 0.08, 0.35, 0.25
+EXPIRY_EVERY = max(NUM_REQUESTS // 25, 4)  # completed requests between two expiry injections
+RSS_BOUND_BYTES = 768 * 2**20  # workers sit near 310 MiB (torch, NIXL/UCX, the model, a 32 MiB cache)
+RSS_GROWTH_BYTES = 128 * 2**20
+WORKERS = ("prefill", "decode", "decode-r", "aggregated")
+PULL_FAILURES = ("LeaseLostError", "PeerGoneError", "TransferTimeoutError", "TransferError",
+                 "HandshakeTimeoutError", "HandshakeError", "AuthError")
+ERROR_CLASS = re.compile(r"\b([A-Z][A-Za-z]*(?:Error|Exception))\b")
+
+PROMPTS = ([f"soak prompt {i}: " + "the quick brown fox jumps over the lazy dog. " * (i % 6)
+            for i in range(16)]
+           + ["Z", "abcdefghijklmno", "0123456789" * 17, "KV blocks move between workers. " * 9,
+              "ünïcödé ✓ " * 11, "def f(x):\n    return x * 2\n" * 5, "a" * 31, "b" * 33])
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def max_tokens_for(k: int) -> int:
+    return 3 + k % 6
+
+
+class Faults:
+    """A thread that injects faults as the run progresses: a forced expiry (or an expiry armed for the
+    next read) every EXPIRY_EVERY completed requests, a restart of decode-r at 30 % and of the prefill
+    at 60 %. Restarts run here too, so they never overlap each other or an expiry."""
+
+    def __init__(self, cluster: Cluster, rng: random.Random) -> None:
+        self.cluster, self.rng = cluster, rng
+        self.up = threading.Event()  # cleared while a worker is down: a client that failed waits for it
+        self.up.set()
+        self.progress = threading.Condition()
+        self.done = 0
+        self.finished = False
+        self.expired = 0  # leases the injector actually expired
+        self.armed = 0
+        self.restarts: list[dict[str, Any]] = []
+        self.killed_samples: list[tuple[str, Samples]] = []  # last scrape of each killed incarnation
+        self.errors: list[str] = []
+        self.thread = threading.Thread(target=self._run, name="soak-faults", daemon=True)
+
+    def completed(self) -> None:
+        with self.progress:
+            self.done += 1
+            self.progress.notify()
+
+    def stop(self) -> None:
+        with self.progress:
+            self.finished = True
+            self.progress.notify()
+        self.thread.join(180)
+
+    def _run(self) -> None:
+        restarts = [(int(NUM_REQUESTS * 0.3), "decode-r"), (int(NUM_REQUESTS * 0.6), "prefill")]
+        next_expiry = EXPIRY_EVERY
+        while True:
+            target = min(next_expiry, restarts[0][0] if restarts else NUM_REQUESTS + 1)
+            with self.progress:
+                self.progress.wait_for(lambda t=target: self.finished or self.done >= t)  # type: ignore[misc]
+                if self.finished:
+                    return
+                done = self.done
+            if restarts and done >= restarts[0][0]:
+                self._restart(*restarts.pop(0))
+            if done >= next_expiry:
+                self._expire()
+                next_expiry = done + EXPIRY_EVERY
+
+    def _expire(self) -> None:
+        url = self.cluster.urls["prefill"]
+        try:
+            if self.rng.random() < 0.3:
+                r = httpx.post(url + "/admin/leases/expire-on-read", json={"count": 1}, timeout=5)
+                r.raise_for_status()
+                self.armed += 1
+                return
+            deadline = time.monotonic() + 2.0  # leases live for milliseconds: try until some are caught
+            while time.monotonic() < deadline and not self.finished:
+                r = httpx.post(url + "/admin/leases/expire", json={"poison": True}, timeout=5)  # all held now
+                hit = sum(1 for state in r.json()["expired"].values() if state == "expired")
+                if hit:
+                    self.expired += hit
+                    return
+        except httpx.HTTPError as e:
+            self.errors.append(f"expiry injection: {type(e).__name__}: {e}")
+
+    def _restart(self, at: int, name: str) -> None:
+        try:
+            self.up.clear()
+            self.killed_samples.append((name, scrape(self.cluster.urls[name])))
+            t0 = time.monotonic()
+            self.cluster.kill(name)
+            self.cluster.restart(name)
+            down_s = round(time.monotonic() - t0, 2)
+            self.restarts.append({"worker": name, "after_requests": at, "down_s": down_s})
+        except Exception as e:  # reported by the test
+            self.errors.append(f"restart of {name}: {type(e).__name__}: {e}")
+            self.restarts.append({"worker": name, "failed": True})
+        finally:
+            self.up.set()
+
+
+def one_request(client: httpx.Client, url: str, i: int, rng: random.Random,
+                expected: dict[tuple[int, bool], list[int]]) -> dict[str, Any]:
+    """One client: {"kind": correct | wrong | failed | aborted | unclear, ...}."""
+    k = rng.randrange(len(PROMPTS))
+    chat, stream = rng.random() < CHAT_P, rng.random() < STREAM_P
+    abort_after = rng.uniform(0.02, 0.8) if rng.random() < ABORT_P else None
+    body: dict[str, Any] = {"max_tokens": max_tokens_for(k), "temperature": 0, "return_token_ids": True,
+                            "stream": stream}
+    if chat:
+        body["messages"] = [{"role": "user", "content": PROMPTS[k]}]
+    else:
+        body["prompt"] = PROMPTS[k]
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    rid = f"soak-{i}"
+    headers = {"x-request-id": rid}
+    timeout = httpx.Timeout(120.0, read=abort_after) if abort_after else httpx.Timeout(120.0)
+    t0 = time.monotonic()
+    row: dict[str, Any] = {"rid": rid, "stream": stream, "chat": chat, "abort_after": abort_after}
+    try:
+        if stream:
+            ids: list[int] = []
+            finished = False
+            with client.stream("POST", url + path, json=body, headers=headers, timeout=timeout) as r:
+                if r.status_code != 200:
+                    r.read()
+                    error = r.json()["error"]["message"]
+                    return {**row, "kind": "failed", "status": r.status_code, "error": error}
+                for line in r.iter_lines():
+                    if abort_after is not None and time.monotonic() - t0 > abort_after:
+                        return {**row, "kind": "aborted"}
+                    if line == "data: [DONE]":
+                        finished = True
+                    if not line.startswith("data: ") or finished:
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        return {**row, "kind": "failed", "status": 200, "error": chunk["error"]["message"]}
+                    ids.extend(chunk["choices"][0].get("token_ids", []))
+            if not finished:
+                return {**row, "kind": "unclear", "error": "stream ended without [DONE]"}
+        else:
+            r = client.post(url + path, json=body, headers=headers, timeout=timeout)
+            data = r.json()
+            if r.status_code != 200:
+                return {**row, "kind": "failed", "status": r.status_code, "error": data["error"]["message"]}
+            ids = data["choices"][0]["token_ids"]
+    except httpx.TimeoutException as e:
+        if abort_after is not None:
+            return {**row, "kind": "aborted"}
+        return {**row, "kind": "unclear", "error": f"{type(e).__name__}: {e}"}
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        return {**row, "kind": "unclear", "error": f"{type(e).__name__}: {e}"}
+    want = expected[(k, chat)]
+    if ids != want:
+        return {**row, "kind": "wrong", "got": ids, "want": want, "prompt": k}
+    return {**row, "kind": "correct", "latency_s": time.monotonic() - t0}
+
+
+def total(samples: list[tuple[str, Samples]], name: str, worker: str | None = None, **labels: str) -> float:
+    """A counter summed over the scrapes given (every incarnation of every worker, or one worker's)."""
+    key = (name, tuple(sorted(labels.items())))
+    return sum(s.get(key, 0.0) for w, s in samples if worker is None or w == worker)
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return round(values[min(len(values) - 1, int(q * len(values)))], 3) if values else 0.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    if os.environ.get("KVCONNECT_SKIP_SLOW"):  # pragma: no cover
+        pytest.skip("KVCONNECT_SKIP_SLOW set")
+    decode_flags = ["--pull-timeout-s", "5", "--handshake-timeout-s", "3"]
+    with Cluster(
+        "cross_layer", "blocks_first", decodes=("decode", "decode-r"),
+        extra_args={"prefill": ["--lease-ttl-s", str(TTL_S)],
+                    "decode": ["--failure-policy", "fail", *decode_flags],
+                    "decode-r": ["--failure-policy", "recompute", *decode_flags]},
+        extra_env={"prefill": {"KVCONNECT_FAULT_INJECTION": "1"}},
+        log_dir=str(tmp_path_factory.mktemp("soak-logs")),
+    ) as c:
+        yield c
+
+
+def test_soak_with_random_faults(cluster: Cluster) -> None:
+    rng = random.Random(SEED)
+    urls = cluster.urls
+    processes = (*WORKERS, "proxy")
+    t_start = time.monotonic()
+    with httpx.Client(limits=httpx.Limits(max_connections=64, max_keepalive_connections=64)) as client:
+        def ref(key: tuple[int, bool]) -> list[int]:
+            k, chat = key
+            body: dict[str, Any] = {"max_tokens": max_tokens_for(k), "return_token_ids": True}
+            if chat:
+                body["messages"] = [{"role": "user", "content": PROMPTS[k]}]
+            else:
+                body["prompt"] = PROMPTS[k]
+            r = client.post(urls["aggregated"] + ("/v1/chat/completions" if chat else "/v1/completions"),
+                            json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]  # type: ignore[no-any-return]
+
+        keys = [(k, chat) for k in range(len(PROMPTS)) for chat in (False, True)]
+        with cf.ThreadPoolExecutor(8) as pool:
+            expected = dict(zip(keys, pool.map(ref, keys), strict=True))
+        rss_warm = {name: cluster.rss_bytes(name) for name in processes}
+
+        faults = Faults(cluster, random.Random(SEED + 1))
+        seeds = [rng.randrange(2**32) for _ in range(NUM_REQUESTS)]
+        rows: list[dict[str, Any]] = []
+        rows_lock = threading.Lock()
+
+        def client_request(i: int) -> None:
+            row = one_request(client, urls["proxy"], i, random.Random(seeds[i]), expected)
+            with rows_lock:
+                rows.append(row)
+            faults.completed()
+            if row["kind"] in ("failed", "unclear") and not faults.up.is_set():
+                faults.up.wait(120)  # a worker is down: resume once it is up again (bounds the failures)
+
+        t_run = time.monotonic()
+        faults.thread.start()
+        try:
+            with cf.ThreadPoolExecutor(CONCURRENCY) as pool:
+                list(pool.map(client_request, range(NUM_REQUESTS)))
+        finally:
+            faults.stop()
+        run_s = time.monotonic() - t_run
+        client.post(urls["prefill"] + "/admin/leases/expire-on-read", json={"count": 0}, timeout=5)  # disarm
+        assert not faults.errors, faults.errors[:5]
+        kinds = collections.Counter(r["kind"] for r in rows)
+        try:
+            poll_until(lambda: all(idle(urls[n]) for n in WORKERS), timeout_s=TTL_S + 30,
+                       what="no block leased, allocated or quarantined anywhere")
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {[health(urls[n]) for n in WORKERS]} {kinds}") from None
+        rss_end = {name: cluster.rss_bytes(name) for name in processes}
+        after = [one_request(client, urls["proxy"], NUM_REQUESTS + i, random.Random(i), expected)
+                 for i in range(8)]
+        assert all(r["kind"] in ("correct", "aborted") for r in after), [  # recovered: serving again
+            (r["rid"], r["kind"], r.get("error")) for r in after]
+        samples = faults.killed_samples + [(n, scrape(urls[n])) for n in processes]
+
+    failed = [r for r in rows if r["kind"] == "failed"]
+    classes = collections.Counter((ERROR_CLASS.findall(r["error"]) or ["?"])[-1] for r in failed)
+    latencies = [r["latency_s"] for r in rows if "latency_s" in r]
+    report: dict[str, Any] = {
+        "requests": NUM_REQUESTS, "concurrency": CONCURRENCY, "seed": SEED, "outcomes": dict(kinds),
+        "failure_classes": dict(classes), "run_s": round(run_s, 1),
+        "total_s": round(time.monotonic() - t_start, 1), "throughput_rps": round(NUM_REQUESTS / run_s, 1),
+        "p50_latency_s": percentile(latencies, 0.5), "p99_latency_s": percentile(latencies, 0.99),
+        "forced_expiries": faults.expired, "expire_on_read_armed": faults.armed, "restarts": faults.restarts,
+        "rss_warm_mib": {k: round(v / 2**20) for k, v in rss_warm.items()},
+        "rss_end_mib": {k: round(v / 2**20) for k, v in rss_end.items()},
+        "recomputed": total(samples, "kvconnect_recomputed_prefills_total"),
+        "quarantined_pulls": total(samples, "kvconnect_quarantined_pulls_total"),
+        "pull_failures": {c: total(samples, "kvconnect_nixl_num_failed_transfers_total", reason=c)
+                          for c in PULL_FAILURES},
+        "leases_ended": {o: total(samples, "kvconnect_leases_ended", "prefill", outcome=o)
+                         for o in ("completed", "released", "expired")},
+        "proxy": {o: total(samples, "kvconnect_proxy_requests_total", "proxy", outcome=o)
+                  for o in ("ok", "prefill_failed", "decode_failed", "client_aborted", "bad_request")},
+    }
+    print("\nSOAK " + json.dumps(report, indent=1))
+    if os.environ.get("KVCONNECT_SOAK_REPORT"):
+        with open(os.environ["KVCONNECT_SOAK_REPORT"], "w") as f:
+            json.dump({**report, "failed": failed}, f, indent=1)
+
+    # every completion correct or failed with a named error; none wrong, none unexplained
+    assert kinds["wrong"] == 0, [r for r in rows if r["kind"] == "wrong"][:3]
+    assert kinds["unclear"] == 0, [r for r in rows if r["kind"] == "unclear"][:5]
+    assert "?" not in classes, [r for r in failed if not ERROR_CLASS.search(r["error"])][:5]
+    assert kinds["correct"] >= NUM_REQUESTS * 0.3, report  # (each restart fails up to one request per client)
+    assert [r["worker"] for r in faults.restarts] == ["decode-r", "prefill"], report
+    assert faults.expired + faults.armed >= 3, report
+    # resident memory
+    for name in processes:
+        assert rss_end[name] < RSS_BOUND_BYTES, (name, report["rss_end_mib"])
+    for name in ("decode", "aggregated", "proxy"):  # never restarted
+        grown = rss_end[name] - rss_warm[name]
+        assert grown < RSS_GROWTH_BYTES, (name, report["rss_warm_mib"], report["rss_end_mib"])
+    # every failure class a client saw is counted where it was handled
+    for cls, n in classes.items():
+        if cls in PULL_FAILURES:
+            assert report["pull_failures"][cls] >= n, (cls, n, report)
+    seen_prefill = sum(1 for r in failed if re.search(r"prefill worker \S+ (failed|answered)", r["error"]))
+    assert report["proxy"]["prefill_failed"] >= seen_prefill, report
+    assert report["proxy"]["decode_failed"] >= len(failed) - seen_prefill, report
+    assert report["leases_ended"]["expired"] >= faults.expired, report
+    # the failure each client saw was logged once, with the request id, where it was handled
+    logs = "\n".join(log_text(cluster.log_dir, n) for n in processes)
+    handled = [ln for ln in logs.splitlines() if re.search(r" WARNING kvconnect\.(decode|proxy): ", ln)]
+    for r in failed:
+        m = re.search(r"\b[A-Z]\w*(?:Error|Exception): (.*)$", r["error"])
+        assert m, r
+        lines = [ln for ln in handled if re.search(rf"\b{r['rid']}\b", ln) and m.group(1)[:60] in ln]
+        assert len(lines) == 1, (r, lines)
