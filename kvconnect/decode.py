@@ -17,7 +17,7 @@ import zmq
 
 from kvconnect import protocol as p
 from kvconnect.agent import MemKind, PreppedList, XferState
-from kvconnect.descriptors import PairPlan, strided_descriptor_array, validate_block_ids
+from kvconnect.descriptors import PairPlan, strided_descriptor_array
 from kvconnect.errors import (
     HandshakeError,
     HandshakeTimeoutError,
@@ -73,40 +73,9 @@ class DecodeSide:
 
     def pull(self, params: p.KVTransferParams, local_block_ids: Sequence[int], request_id: str | None) -> PullHandle:
         conn = self._conn
-        if not params.do_remote_prefill:
-            raise InvalidRequestError("kv_transfer_params.do_remote_prefill", "must be true to pull")
-        for name in ("remote_engine_id", "remote_host", "remote_port", "remote_request_id", "remote_block_ids"):
-            if getattr(params, name) is None:
-                raise InvalidRequestError(f"kv_transfer_params.{name}", "required when do_remote_prefill is true")
-        local = validate_block_ids("local_block_ids", local_block_ids, conn.spec.num_blocks)
-        remote = validate_block_ids("kv_transfer_params.remote_block_ids", params.remote_block_ids or [], 2**62)
-        if local.size != remote.size:
-            raise InvalidRequestError(
-                "kv_transfer_params.remote_block_ids",
-                f"{remote.size} remote blocks for {local.size} local blocks",
-            )
-        if params.tp_size != conn.spec.tp_size:
-            raise InvalidRequestError(
-                "kv_transfer_params.tp_size",
-                f"remote tp_size {params.tp_size} != local {conn.spec.tp_size}; heterogeneous TP is not supported",
-            )
-        assert params.remote_engine_id and params.remote_host and params.remote_port and params.remote_request_id
-        handle = PullHandle(request_id or params.remote_request_id, params.remote_engine_id)
-        now = time.monotonic()
-        pull = Pull(
-            handle=handle,
-            remote_engine_id=params.remote_engine_id,
-            remote_host=params.remote_host,
-            remote_port=params.remote_port,
-            remote_request_id=params.remote_request_id,
-            remote_block_ids=remote.tolist(),
-            local_block_ids=local.tolist(),
-            expected_incarnation=params.remote_incarnation_id,
-            requested_s=now,
-            deadline_s=now + conn.config.pull_timeout_s,
-        )
+        pull = Pull.from_params(params, local_block_ids, request_id, conn.spec, conn.config.pull_timeout_s)
         conn._call(lambda: self._start(pull))
-        return handle
+        return pull.handle
 
     # --- loop thread -------------------------------------------------------------------------------
 

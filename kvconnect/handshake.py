@@ -154,7 +154,7 @@ def request(
                 sent = True
             except zmq.Again:  # IMMEDIATE: no connection yet
                 if time.monotonic() >= deadline:
-                    raise HandshakeTimeoutError(f"side channel {addr}: no connection within {timeout_s:.3g}s")
+                    raise HandshakeTimeoutError(f"side channel {addr}: no connection within {timeout_s:.3g}s") from None
                 sock.poll(10, zmq.POLLOUT)
         remaining_ms = max(int((deadline - time.monotonic()) * 1000), 1)
         if not sock.poll(remaining_ms):

@@ -16,7 +16,7 @@ import enum
 import hashlib
 import hmac
 import re
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -111,8 +111,8 @@ def ref_of(msg: Hello | LeaseRequest | PeerInfo | LeaseReply) -> str:
     return f"lease:{msg.request_id}"
 
 
-Request = Union[Hello, LeaseRequest]
-Reply = Union[PeerInfo, LeaseReply, ErrorReply]
+Request = Hello | LeaseRequest
+Reply = PeerInfo | LeaseReply | ErrorReply
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

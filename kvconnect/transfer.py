@@ -12,14 +12,17 @@ import enum
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from kvconnect.agent import NixlAgent, XferHandle, XferState
-from kvconnect.descriptors import PullPlan
-from kvconnect.errors import KVConnectError, PeerGoneError, TransferTimeoutError
+from kvconnect.descriptors import PullPlan, validate_block_ids
+from kvconnect.errors import InvalidRequestError, KVConnectError, PeerGoneError, TransferTimeoutError
+from kvconnect.layout import CacheSpec
+from kvconnect.protocol import KVTransferParams
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +128,40 @@ class Pull:
     posted_s: float = 0.0
     read_done_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_params(cls, params: KVTransferParams, local_block_ids: Sequence[int], request_id: str | None,
+                    spec: CacheSpec, timeout_s: float) -> Pull:
+        """Validate a pull request (any thread); InvalidRequestError names the field, nothing is posted."""
+        if not params.do_remote_prefill:
+            raise InvalidRequestError("kv_transfer_params.do_remote_prefill", "must be true to pull")
+        for name in ("remote_engine_id", "remote_host", "remote_port", "remote_request_id", "remote_block_ids"):
+            if getattr(params, name) is None:
+                raise InvalidRequestError(f"kv_transfer_params.{name}", "required when do_remote_prefill is true")
+        local = validate_block_ids("local_block_ids", local_block_ids, spec.num_blocks)
+        remote = validate_block_ids("kv_transfer_params.remote_block_ids", params.remote_block_ids or [], 2**62)
+        if local.size != remote.size:
+            raise InvalidRequestError("kv_transfer_params.remote_block_ids",
+                                      f"{remote.size} remote blocks for {local.size} local blocks")
+        if params.tp_size != spec.tp_size:
+            raise InvalidRequestError(
+                "kv_transfer_params.tp_size",
+                f"remote tp_size {params.tp_size} != local {spec.tp_size}; heterogeneous TP is not supported",
+            )
+        assert params.remote_engine_id and params.remote_host and params.remote_port and params.remote_request_id
+        now = time.monotonic()
+        return cls(
+            handle=PullHandle(request_id or params.remote_request_id, params.remote_engine_id),
+            remote_engine_id=params.remote_engine_id,
+            remote_host=params.remote_host,
+            remote_port=params.remote_port,
+            remote_request_id=params.remote_request_id,
+            remote_block_ids=remote.tolist(),
+            local_block_ids=local.tolist(),
+            expected_incarnation=params.remote_incarnation_id,
+            requested_s=now,
+            deadline_s=now + timeout_s,
+        )
 
     def finish(self, error: KVConnectError | None) -> None:
         now = time.monotonic()

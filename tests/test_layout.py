@@ -61,7 +61,7 @@ def execute(pair: PairPlan, dst: KVCache, src: KVCache, local_ids, remote_ids):
     rreg = region_of(pair.remote_units, pair.remote_spec.num_blocks)
     d, s = merge_runs(ldesc[plan.local_indices], rdesc[plan.remote_indices],
                       lreg[plan.local_indices], rreg[plan.remote_indices])
-    for (daddr, length, _), (saddr, _, _) in zip(d, s):
+    for (daddr, length, _), (saddr, _, _) in zip(d, s, strict=True):
         ctypes.memmove(int(daddr), int(saddr), int(length))
     return plan, d, s
 

@@ -68,7 +68,7 @@ def test_every_layout_pair_pulls_byte_exact(prefills, local_kind) -> None:
             request_id = rid()
             params = pre.lease(request_id, remote_ids)
             stats = dec.pull(params, local_ids).wait(20)
-            for lid, r in zip(local_ids, remote_ids):
+            for lid, r in zip(local_ids, remote_ids, strict=True):
                 assert dec.cache.block_bytes(lid) == pre.ask("block", r), (local_kind, remote_kind, lid)
             untouched = set(range(32)) - set(local_ids)
             zero = bytes(spec(local_kind).block_bytes)

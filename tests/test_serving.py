@@ -82,7 +82,7 @@ def test_concurrent_streaming_and_not_leave_nothing_behind(cluster: Cluster) -> 
                 for i, p in enumerate(prompts)]
         results = [f.result() for f in futures]
         expected = [f.result() for f in refs]
-    for got, want in zip(results, expected):
+    for got, want in zip(results, expected, strict=True):
         assert got["status"] == 200 and got["token_ids"] == want["token_ids"]
     poll_until(lambda: health(cluster.urls["prefill"])["leased_blocks"] == 0, what="no leased blocks")
     poll_until(lambda: {n: health(cluster.urls[n])["free_blocks"] for n in before} == before,

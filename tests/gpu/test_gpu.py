@@ -61,7 +61,7 @@ def test_vram_pulls_every_layout_pair(transport: str, prefill_dev: str, decode_d
                     request_id = f"g-{uuid.uuid4().hex[:8]}"
                     stats = dec.pull(pre.lease(request_id, remote_ids), local_ids).wait(60)
                     assert stats.transport == transport
-                    for lid, rid in zip(local_ids, remote_ids):
+                    for lid, rid in zip(local_ids, remote_ids, strict=True):
                         assert dec.cache.block_bytes(lid) == pre.ask("block", rid), (remote_kind, local_kind)
                     untouched = sorted(set(range(48)) - set(local_ids))[:4]
                     zero = bytes(spec(local_kind).block_bytes)
@@ -81,9 +81,9 @@ def test_attention_over_pulled_cache_matches_prefill_kv(transport: str) -> None:
         local_ids = [1, 2, 3, 4, 20, 21, 22, 40]
         with decoder(LayoutKind.BLOCKS_FIRST, decode_dev, transport=transport) as dec:
             dec.pull(pre.lease("attn", remote_ids), local_ids).wait(60)
-            from kvconnect.engine.attention import BatchItem, build_batch, paged_attention
-
             from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            from kvconnect.engine.attention import BatchItem, build_batch, paged_attention
 
             gen = torch.Generator(device="cpu").manual_seed(1)
             for layer in range(GEOMETRY["num_layers"]):
@@ -99,7 +99,7 @@ def test_attention_over_pulled_cache_matches_prefill_kv(transport: str) -> None:
                 k_pulled = k_cache[table].reshape(-1, 8, 128)[:seq_len]
                 v_pulled = v_cache[table].reshape(-1, 8, 128)[:seq_len]
 
-                def sdpa(k, v):
+                def sdpa(k, v, q=q):
                     qh = q.transpose(0, 1).unsqueeze(0)  # (1, 32, 1, D)
                     kh = k.repeat_interleave(4, dim=1).transpose(0, 1).unsqueeze(0)
                     vh = v.repeat_interleave(4, dim=1).transpose(0, 1).unsqueeze(0)
