@@ -88,7 +88,8 @@ class DecodeSide:
         if peer is not None and (peer.host, peer.port) != (pull.remote_host, pull.remote_port):
             self._fail_peer(peer, PeerGoneError(f"engine {peer.engine_id}: side channel address changed"))
             peer = None
-        if peer is not None and peer.ready and pull.expected_incarnation not in (None, peer.info.incarnation_id):
+        if (peer is not None and peer.info is not None
+                and pull.expected_incarnation not in (None, peer.info.incarnation_id)):
             self._drop_peer(peer, f"pull names incarnation {pull.expected_incarnation[:12]}")
             peer = None
         if peer is None:

@@ -150,7 +150,7 @@ class Cluster:
             for name, proc in self.procs.items():
                 if proc.poll() is not None and (only is None or name in only):
                     raise RuntimeError(f"a demo process exited early with status {proc.returncode} "
-                                       f"({' '.join(map(str, proc.args))})")
+                                       f"({proc.args!r})")
             for name, url in list(pending.items()):
                 try:
                     if httpx.get(url + "/health", timeout=1.0).status_code == 200:

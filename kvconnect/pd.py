@@ -48,7 +48,7 @@ def check_remote_blocks(params: KVTransferParams, num_prompt_tokens: int, block_
 class LeaseKeeper:
     """KVKeeper: lease a finished prefill's prompt blocks, free the rest, remember the params."""
 
-    def __init__(self, connector: KVConnector, free_blocks: callable, block_size: int) -> None:  # type: ignore[valid-type]
+    def __init__(self, connector: KVConnector, free_blocks: Callable[[list[int]], None], block_size: int) -> None:
         self._connector = connector
         self._free = free_blocks
         self._block_size = block_size

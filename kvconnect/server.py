@@ -91,9 +91,11 @@ class Worker:
                 loader: PullLoader | None, keeper: LeaseKeeper | None) -> asyncio.Queue[TokenEvent]:
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        self.engine.add_request(request_id, prompt_ids, sampling,
-                                lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                                kv_loader=loader, kv_keeper=keeper)
+
+        def on_event(ev: TokenEvent) -> None:  # engine thread -> this request's event loop
+            loop.call_soon_threadsafe(events.put_nowait, ev)
+
+        self.engine.add_request(request_id, prompt_ids, sampling, on_event, kv_loader=loader, kv_keeper=keeper)
         return events
 
     def close(self) -> None:
