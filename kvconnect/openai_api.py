@@ -65,17 +65,22 @@ def parse_body(raw: bytes, chat: bool) -> GenerateBody:
     return body
 
 
+def _choice(text: str, token_ids: list[int], finish: str | None, with_ids: bool,
+            chat_part: dict[str, Any] | None) -> dict[str, Any]:
+    """One choice: chat answers carry `chat_part` (message or delta), completions carry `text`."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+    choice.update(chat_part if chat_part is not None else {"text": text})
+    if with_ids:
+        choice["token_ids"] = token_ids
+    return choice
+
+
 def completion_response(
     request_id: str, model: str, text: str, token_ids: list[int], finish: str | None, num_prompt: int,
     chat: bool, kv_transfer_params: dict[str, Any] | None, with_ids: bool,
 ) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    if with_ids:
-        choice["token_ids"] = token_ids
+    message = {"role": "assistant", "content": text}
+    choice = _choice(text, token_ids, finish, with_ids, {"message": message} if chat else None)
     return {
         "id": request_id,
         "object": "chat.completion" if chat else "text_completion",
@@ -92,16 +97,8 @@ def stream_chunk(
     request_id: str, model: str, text: str, token_ids: list[int], finish: str | None, chat: bool,
     with_ids: bool, first: bool = False,
 ) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-    if chat:
-        delta: dict[str, Any] = {"content": text}
-        if first:
-            delta["role"] = "assistant"
-        choice["delta"] = delta
-    else:
-        choice["text"] = text
-    if with_ids:
-        choice["token_ids"] = token_ids
+    delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+    choice = _choice(text, token_ids, finish, with_ids, {"delta": delta} if chat else None)
     return {
         "id": request_id,
         "object": "chat.completion.chunk" if chat else "text_completion",

@@ -20,6 +20,7 @@ from kvconnect.errors import (
     LeaseLostError,
 )
 from kvconnect.layout import CacheSpec, LayoutKind
+from tests.faultkit import poll_until
 from tests.peers import PrefillProc
 
 GEOMETRY = dict(dtype="float16", num_layers=3, block_size=16, num_kv_heads=2, head_dim=32)
@@ -27,16 +28,6 @@ GEOMETRY = dict(dtype="float16", num_layers=3, block_size=16, num_kv_heads=2, he
 
 def spec(kind: LayoutKind, num_blocks: int = 40, **kw) -> CacheSpec:
     return CacheSpec(kind=kind, num_blocks=num_blocks, **{**GEOMETRY, **kw})
-
-
-def poll_until(predicate, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"{what} not reached within {timeout_s}s")
 
 
 @pytest.fixture(scope="module")

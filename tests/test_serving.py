@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from kvconnect.demo import Cluster, complete
+from tests.faultkit import health, poll_until
 
 # 50+ prompts: shorter than a block, exactly a block (16 tokens incl. BOS), many blocks, ragged.
 PROMPTS = (
@@ -23,20 +24,6 @@ PROMPTS = (
     + ["0123456789" * k for k in (3, 6, 9)]
 )
 PROMPTS = [p for p in PROMPTS if p]  # the OpenAI API refuses empty prompts
-
-
-def health(url: str) -> dict:
-    return httpx.get(url + "/health", timeout=5).json()
-
-
-def poll_until(predicate, timeout_s: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"{what} not reached within {timeout_s}s")
 
 
 def check_all_equal(cluster: Cluster, prompts: list[str], max_tokens: int = 6) -> None:
