@@ -84,6 +84,7 @@ class DecodeSide:
         return bool(self._posted) or any(peer.confirming for peer in self._peers.values())
 
     def _start(self, pull: Pull) -> None:
+        pull.handle.stats.queued_s = time.monotonic() - pull.requested_s
         peer = self._peers.get(pull.remote_engine_id)
         if peer is not None and (peer.host, peer.port) != (pull.remote_host, pull.remote_port):
             self._fail_peer(peer, PeerGoneError(f"engine {peer.engine_id}: side channel address changed"))
@@ -168,12 +169,13 @@ class DecodeSide:
         assert peer.pair is not None and peer.remote_list is not None and peer.info is not None
         t0 = time.monotonic()
         try:
-            local, remote = peer.pair.validate(pull.local_block_ids, pull.remote_block_ids)
+            local, remote = peer.pair.order_checked(pull.local_block_ids, pull.remote_block_ids)  # see from_params
         except InvalidRequestError as e:
             self._fail(pull, e)
             return
         pull.incarnation_id = peer.info.incarnation_id
         stats = pull.handle.stats
+        stats.validate_s = time.monotonic() - t0
         stats.granularity = peer.pair.granularity.name
         stats.transport = peer.transport
         try:

@@ -121,6 +121,18 @@ class PairPlan:
         order = np.argsort(remote, kind="stable")
         return local[order], remote[order]
 
+    def order_checked(self, local_ids: Sequence[int], remote_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """`validate` for ids that already passed `validate_block_ids` (integers, non-negative, unique, equal
+        counts) against an unknown remote size: only the upper bounds remain to check. The hot path."""
+        local = np.asarray(local_ids, dtype=np.int64)
+        remote = np.asarray(remote_ids, dtype=np.int64)
+        for field, ids, bound in (("local_block_ids", local, self.local_spec.num_blocks),
+                                  ("remote_block_ids", remote, self.remote_spec.num_blocks)):
+            if ids.size and int(ids.max()) >= bound:
+                raise InvalidRequestError(field, f"block ids {ids[ids >= bound][:8].tolist()} outside [0, {bound})")
+        order = np.argsort(remote, kind="stable")
+        return local[order], remote[order]
+
     def plan(self, local_ids: Sequence[int] | np.ndarray, remote_ids: Sequence[int] | np.ndarray) -> PullPlan:
         """Index arrays for pulling remote_ids[i] into local_ids[i]; raises InvalidRequestError."""
         return self.plan_validated(*self.validate(local_ids, remote_ids))

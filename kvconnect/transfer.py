@@ -51,6 +51,8 @@ class PullStats(msgspec.Struct):
     confirm_s: float = 0.0
     total_s: float = 0.0  # pull requested -> blocks usable
     transport: str = ""  # "nixl" or "ipc"
+    validate_s: float = 0.0  # the part of post_s spent checking block ids
+    queued_s: float = 0.0  # pull() returned -> the loop thread picked the pull up
 
     @property
     def gbps(self) -> float:

@@ -1,3 +1,4 @@
+# ruff: noqa: B023, E501
 """Where the IPC gather's posting time goes (one process, both caches on one GPU; launch costs only).
 
     python3 scripts/gpu_post_profile.py
@@ -47,5 +48,9 @@ for kind in (LayoutKind.CROSS_LAYER, LayoutKind.KV_FIRST):
     print(f"  post (all)          {timed(lambda: g.post(loc, rem)):8.1f} us")
     ev = g.post(loc, rem)
     torch.cuda.synchronize()
-    t0 = time.perf_counter(); e = g.post(loc, rem); t1 = time.perf_counter(); e.synchronize(); t2 = time.perf_counter()
+    t0 = time.perf_counter()
+    e = g.post(loc, rem)
+    t1 = time.perf_counter()
+    e.synchronize()
+    t2 = time.perf_counter()
     print(f"  post {1e6*(t1-t0):.1f} us, kernel done after {1e6*(t2-t1):.1f} us (local copy, {256*spec.block_bytes/(t2-t0)/1e9:.0f} GB/s)")

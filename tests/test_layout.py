@@ -181,3 +181,16 @@ def test_flash_attention_views_and_stride_check(kind: LayoutKind) -> None:
     wrong = [torch.zeros(s.region_shape(), dtype=torch.float32) for _ in range(s.num_regions)]
     with pytest.raises(LayoutError, match="dtype"):
         KVCache.from_tensors(s, wrong)
+
+
+def test_order_checked_agrees_with_validate_and_bounds_both_sides() -> None:
+    s = spec(LayoutKind.BLOCKS_FIRST)
+    pair = PairPlan.build(s, spec(LayoutKind.CROSS_LAYER, num_blocks=6))
+    fast, full = pair.order_checked([7, 1, 3], [5, 0, 2]), pair.validate([7, 1, 3], [5, 0, 2])
+    assert all(np.array_equal(a, b) for a, b in zip(fast, full, strict=True))
+    with pytest.raises(InvalidRequestError) as e:
+        pair.order_checked([1], [6])
+    assert e.value.field == "remote_block_ids"
+    with pytest.raises(InvalidRequestError) as e:
+        pair.order_checked([10], [1])
+    assert e.value.field == "local_block_ids"
