@@ -134,46 +134,29 @@ def request(
     timeout_s: float,
     secret: bytes = b"",
 ) -> p.PeerInfo | p.LeaseReply:
-    """Send one request and wait for its reply; raises HandshakeError and subclasses."""
-    if secret:
-        msg = p.sign_request(secret, msgspec.structs.replace(msg, nonce=os.urandom(16), ts_ms=now_ms()))
-    addr = zmq_address(host, port)
-    sock = ctx.socket(zmq.DEALER)
+    """Send one request and wait for its reply; raises HandshakeError and subclasses.
+
+    The blocking form of `PeerChannel` (CLI, proxy, tests): same signing, decoding and MAC checks.
+    """
+    channel = PeerChannel(ctx, host, port, secret)
     try:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        if ":" in host:
-            sock.setsockopt(zmq.IPV6, 1)
-        sock.connect(addr)
+        channel.send(msg)
+        want = p.ref_of(msg)
         deadline = time.monotonic() + timeout_s
-        sent = False
-        while not sent:
-            try:
-                sock.send_multipart([b"", p.encode(msg)], zmq.NOBLOCK)
-                sent = True
-            except zmq.Again:  # IMMEDIATE: no connection yet
-                if time.monotonic() >= deadline:
-                    raise HandshakeTimeoutError(f"side channel {addr}: no connection within {timeout_s:.3g}s") from None
-                sock.poll(10, zmq.POLLOUT)
-        remaining_ms = max(int((deadline - time.monotonic()) * 1000), 1)
-        if not sock.poll(remaining_ms):
-            raise HandshakeTimeoutError(f"side channel {addr}: no answer within {timeout_s:.3g}s")
-        frames = sock.recv_multipart()
+        while True:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0 or not channel.sock.poll(remaining_ms):
+                raise HandshakeTimeoutError(f"side channel {channel.addr}: no answer within {timeout_s:.3g}s")
+            for ref, reply in channel.receive():
+                if ref not in (want, ""):  # "" = a reply that could not be matched: undecodable or refused
+                    continue
+                if isinstance(reply, HandshakeError):
+                    raise reply
+                return reply
     except zmq.ZMQError as e:
-        raise HandshakeError(f"side channel {addr}: {e}") from e
+        raise HandshakeError(f"side channel {zmq_address(host, port)}: {e}") from e
     finally:
-        sock.close(linger=0)
-    try:
-        reply = p.decode_reply(frames[-1])
-    except ProtocolError as e:
-        raise HandshakeError(f"side channel {addr}: {e}") from e
-    if isinstance(reply, p.ErrorReply):
-        err = AuthError if reply.code is p.ErrorCode.AUTH else HandshakeError
-        raise err(f"side channel {addr} refused: {reply.code.value}: {reply.message}")
-    if secret and not p.reply_mac_ok(secret, msg.nonce, reply):
-        raise AuthError(f"side channel {addr}: reply not signed with our secret")
-    return reply
+        channel.close()
 
 
 class PeerChannel:
