@@ -26,13 +26,6 @@ TORCH_DTYPES = {
 }
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    for name, value in TORCH_DTYPES.items():
-        if value == dtype:
-            return name
-    raise LayoutError(f"dtype {dtype} is not supported for KV caches")
-
-
 @dataclass(frozen=True)
 class KVCache:
     spec: CacheSpec

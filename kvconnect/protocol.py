@@ -31,7 +31,6 @@ class ErrorCode(str, enum.Enum):
     BAD_MESSAGE = "bad_message"
     VERSION = "version"
     AUTH = "auth"
-    UNKNOWN_LEASE = "unknown_lease"
     INTERNAL = "internal"
 
 
