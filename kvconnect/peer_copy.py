@@ -97,6 +97,7 @@ class IpcGather:
         self._nb_src = pair.remote_spec.num_blocks
         self._nb_dst = pair.local_spec.num_blocks
         self._stream = torch.cuda.Stream(device=self._device)
+        self._src_ptr, self._dst_ptr = _Ptr(self._src_origin), _Ptr(self._dst_origin)  # fixed per peer
 
     @classmethod
     def open(cls, info: Any, pair: Any, cache: Any) -> IpcGather:
@@ -130,7 +131,7 @@ class IpcGather:
             with torch.cuda.stream(self._stream):
                 ids = torch.from_numpy(pairs).to(self._device, non_blocking=True)
                 grid = (self._num_units * n, triton.cdiv(self._unit_words, _CHUNK_WORDS))
-                _kernel()[grid](_Ptr(self._src_origin), _Ptr(self._dst_origin), self._src_table,
+                _kernel()[grid](self._src_ptr, self._dst_ptr, self._src_table,
                                 self._dst_table, ids, n, self._nb_src, self._nb_dst, self._unit_words,
                                 CHUNK=_CHUNK_WORDS, num_warps=8)
                 event = torch.cuda.Event()
