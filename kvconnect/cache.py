@@ -78,16 +78,22 @@ class KVCache:
         return [int(t.data_ptr()) for t in self.regions]
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """FlashAttention paged views of one layer: K and V, each (num_blocks, block_size, H, D)."""
+        """FlashAttention paged views of one layer: K and V, each (num_blocks, block_size, H, D).
+
+        For an HND cache these are strided views (tokens and heads swapped back), never copies."""
         kind = self.spec.kind
         if kind is LayoutKind.BLOCKS_FIRST:
             t = self.regions[layer]
-            return t[:, 0], t[:, 1]
-        if kind is LayoutKind.KV_FIRST:
+            k, v = t[:, 0], t[:, 1]
+        elif kind is LayoutKind.KV_FIRST:
             t = self.regions[layer]
-            return t[0], t[1]
-        t = self.regions[0]
-        return t[:, layer, 0], t[:, layer, 1]
+            k, v = t[0], t[1]
+        else:
+            t = self.regions[0]
+            k, v = t[:, layer, 0], t[:, layer, 1]
+        if self.spec.token_layout == "HND":
+            return k.transpose(1, 2), v.transpose(1, 2)
+        return k, v
 
     def block_bytes(self, block_id: int) -> bytes:
         """Every byte of one block (all layers, K then V), in a layout-independent order."""

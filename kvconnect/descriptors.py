@@ -6,6 +6,10 @@ every block, unit-major: descriptor `u * num_blocks + b` is unit u of block b. A
 two index arrays. Pairs are issued unit-major and sorted by remote block id, so runs of consecutive
 blocks (consecutive on both sides) sit next to each other and merge into one descriptor; we count the
 merged descriptors exactly from the unit tables, the same rule NIXL applies when it merges.
+
+Pairs whose blocks differ (TP head slices, block sizes, NHD/HND) use CHUNK units instead (built in
+`hetero.py`): the request is cut into token *segments* of `seg_tokens` (the gcd of the two block sizes),
+each segment of each K/V half moves as `chunks` equal pieces, and ids stay in token order.
 """
 
 from __future__ import annotations
@@ -16,7 +20,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvconnect.errors import InvalidRequestError, LayoutError
-from kvconnect.layout import CacheSpec, Granularity, UnitTable, check_compatible, pair_granularity, unit_table
+from kvconnect.layout import (
+    CacheSpec,
+    Granularity,
+    UnitTable,
+    check_compatible,
+    pair_granularity,
+    same_block_shape,
+    unit_table,
+)
 
 
 def descriptor_array(table: UnitTable, num_blocks: int, base_addrs: Sequence[int], device_id: int) -> np.ndarray:
@@ -70,6 +82,26 @@ def validate_block_ids(field: str, ids: Sequence[int] | np.ndarray, num_blocks: 
     return arr
 
 
+def token_span(n_local: int, local_block: int, n_remote: int, remote_block: int, num_tokens: int | None) -> int:
+    """How many tokens a request moves when the two sides' block sizes differ; InvalidRequestError when the
+    two block lists cannot hold the same tokens."""
+    cap_local, cap_remote = n_local * local_block, n_remote * remote_block
+    if num_tokens is None:
+        n = min(cap_local, cap_remote)
+        if -(-n // local_block) != n_local or -(-n // remote_block) != n_remote:
+            raise InvalidRequestError(
+                "remote_block_ids", f"{n_remote} remote blocks of {remote_block} tokens and {n_local} local blocks "
+                f"of {local_block} tokens do not hold the same tokens; send remote_num_tokens")
+        return n
+    if num_tokens < 1:
+        raise InvalidRequestError("remote_num_tokens", f"must be positive, got {num_tokens}")
+    for field, cap, count, size in (("local_block_ids", cap_local, n_local, local_block),
+                                    ("remote_block_ids", cap_remote, n_remote, remote_block)):
+        if cap < num_tokens:
+            raise InvalidRequestError(field, f"{count} blocks of {size} tokens cannot hold {num_tokens} tokens")
+    return num_tokens
+
+
 @dataclass(frozen=True)
 class PullPlan:
     """One request's READ: index arrays into both prepared lists, and what it will move."""
@@ -91,16 +123,26 @@ class PairPlan:
     granularity: Granularity
     local_units: UnitTable
     remote_units: UnitTable
+    # CHUNK plans only (see the module doc); 0 means block for block
+    seg_tokens: int = 0
+    chunks: int = 1
 
     @classmethod
     def build(cls, local_spec: CacheSpec, remote_spec: CacheSpec) -> PairPlan:
+        """Block-for-block plan; the two specs must hold the same heads, block size and token order."""
         check_compatible(local_spec, remote_spec)
+        if not same_block_shape(local_spec, remote_spec):
+            raise LayoutError("blocks differ in heads, block size or token layout: plan with hetero.plan_source")
         gran = pair_granularity(local_spec, remote_spec)
         return cls(local_spec, remote_spec, gran, unit_table(local_spec, gran), unit_table(remote_spec, gran))
 
     @property
     def unit_bytes(self) -> int:
         return self.local_units.unit_bytes
+
+    @property
+    def block_for_block(self) -> bool:
+        return self.seg_tokens == 0
 
     def local_descs(self, base_addrs: Sequence[int], device_id: int) -> np.ndarray:
         return descriptor_array(self.local_units, self.local_spec.num_blocks, base_addrs, device_id)
@@ -114,6 +156,8 @@ class PairPlan:
         """Checked block ids as int64 pairs sorted by remote id; raises InvalidRequestError."""
         local = validate_block_ids("local_block_ids", local_ids, self.local_spec.num_blocks)
         remote = validate_block_ids("remote_block_ids", remote_ids, self.remote_spec.num_blocks)
+        if not self.block_for_block:
+            return local, remote  # token order matters here
         if local.size != remote.size:
             raise InvalidRequestError(
                 "remote_block_ids", f"{remote.size} remote blocks for {local.size} local blocks"
@@ -130,15 +174,23 @@ class PairPlan:
                                   ("remote_block_ids", remote, self.remote_spec.num_blocks)):
             if ids.size and int(ids.max()) >= bound:
                 raise InvalidRequestError(field, f"block ids {ids[ids >= bound][:8].tolist()} outside [0, {bound})")
+        if not self.block_for_block:
+            return local, remote
+        if local.size != remote.size:
+            raise InvalidRequestError("remote_block_ids", f"{remote.size} remote blocks for {local.size} local blocks")
         order = np.argsort(remote, kind="stable")
         return local[order], remote[order]
 
-    def plan(self, local_ids: Sequence[int] | np.ndarray, remote_ids: Sequence[int] | np.ndarray) -> PullPlan:
-        """Index arrays for pulling remote_ids[i] into local_ids[i]; raises InvalidRequestError."""
-        return self.plan_validated(*self.validate(local_ids, remote_ids))
+    def plan(self, local_ids: Sequence[int] | np.ndarray, remote_ids: Sequence[int] | np.ndarray,
+             num_tokens: int | None = None) -> PullPlan:
+        """Index arrays for pulling remote_ids[i] into local_ids[i] (block for block), or the tokens the two
+        block lists hold (CHUNK plans); raises InvalidRequestError."""
+        return self.plan_validated(*self.validate(local_ids, remote_ids), num_tokens=num_tokens)
 
-    def plan_validated(self, local: np.ndarray, remote: np.ndarray) -> PullPlan:
+    def plan_validated(self, local: np.ndarray, remote: np.ndarray, num_tokens: int | None = None) -> PullPlan:
         """`plan` for ids that came out of `validate`."""
+        if not self.block_for_block:
+            return self._plan_segments(local, remote, num_tokens)
         num_units = self.local_units.num_units
         units = np.arange(num_units, dtype=np.int64)[:, None]
         local_idx = (units * self.local_spec.num_blocks + local[None, :]).reshape(-1)
@@ -150,6 +202,36 @@ class PairPlan:
             num_descs=int(local_idx.size),
             num_descs_merged=_count_merged(self.local_units, self.remote_units, local, remote),
             total_bytes=int(local_idx.size) * self.unit_bytes,
+        )
+
+
+    def _plan_segments(self, local: np.ndarray, remote: np.ndarray, num_tokens: int | None) -> PullPlan:
+        ls, rs, g, c = self.local_spec, self.remote_spec, self.seg_tokens, self.chunks
+        n = token_span(local.size, ls.block_size, remote.size, rs.block_size, num_tokens)
+        t = np.arange(-(-n // g), dtype=np.int64) * g  # first token of each segment
+        l_blk, l_sub = local[t // ls.block_size], (t % ls.block_size) // g
+        r_blk, r_sub = remote[t // rs.block_size], (t % rs.block_size) // g
+        order = np.lexsort((r_sub, r_blk))  # issue in remote address order: neighbours merge
+        l_blk, l_sub, r_blk, r_sub = l_blk[order], l_sub[order], r_blk[order], r_sub[order]
+        common = np.arange(self.local_units.num_units // (ls.block_size // g), dtype=np.int64)[:, None]
+        half, piece = common // c, common % c
+        l_unit = ((half * (ls.block_size // g) + l_sub) * c + piece).reshape(-1)
+        r_unit = ((half * (rs.block_size // g) + r_sub) * c + piece).reshape(-1)
+        l_blk = np.broadcast_to(l_blk, (common.shape[0], l_blk.size)).reshape(-1)
+        r_blk = np.broadcast_to(r_blk, (common.shape[0], r_blk.size)).reshape(-1)
+        lt, rt = self.local_units, self.remote_units
+        l_pos, r_pos = lt.offset_bytes[l_unit] + l_blk * lt.block_stride_bytes, rt.offset_bytes[r_unit] + r_blk * \
+            rt.block_stride_bytes
+        size = lt.unit_bytes
+        joins = ((lt.region[l_unit[1:]] == lt.region[l_unit[:-1]]) & (l_pos[1:] == l_pos[:-1] + size)
+                 & (rt.region[r_unit[1:]] == rt.region[r_unit[:-1]]) & (r_pos[1:] == r_pos[:-1] + size))
+        return PullPlan(
+            local_indices=(l_unit * ls.num_blocks + l_blk).astype(np.int32),
+            remote_indices=(r_unit * rs.num_blocks + r_blk).astype(np.int32),
+            num_blocks=int(local.size),
+            num_descs=int(l_unit.size),
+            num_descs_merged=int(l_unit.size - np.count_nonzero(joins)),
+            total_bytes=int(l_unit.size) * size,
         )
 
 

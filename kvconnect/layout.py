@@ -6,6 +6,12 @@ The unit of transfer is a *granularity*: the whole block across all layers (`BLO
 layer (`LAYER`), or one K or V half of one layer (`HALF`). Each layout is contiguous at its own natural
 granularity and at every finer one, so two peers move data at the finer of their two natural ones.
 Descriptor arrays and per-request plans built on this live in `descriptors.py`.
+
+Tensor parallelism: a rank holds a slice of the model's KV heads (`head_range`); when TP exceeds the
+number of KV heads, each rank holds one head and `tp_size // model_kv_heads` ranks hold the same one
+(replication). Inside one K or V block the tokens are laid out NHD `(block_size, H, D)` (FlashAttention)
+or HND `(H, block_size, D)` (one head's tokens contiguous). Pairs that differ in TP, block size or token
+layout are planned in `hetero.py`.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ class Granularity(enum.IntEnum):
     BLOCK = 0  # one block, every layer, K and V: one contiguous span in cross_layer
     LAYER = 1  # one block of one layer, K and V together
     HALF = 2  # one block of one layer, K or V alone
+    CHUNK = 3  # a piece of one K or V block (a token range and/or a head slice): see hetero.py
 
 
 NATURAL_GRANULARITY = {
@@ -50,9 +57,29 @@ DTYPE_BYTES = {
 }
 
 DEVICE_KINDS = ("cpu", "cuda")
+TOKEN_LAYOUTS = ("NHD", "HND")
 
-# Fields two peers must agree on, in the order a mismatch is reported.
-_MUST_MATCH = ("dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "token_layout", "tp_size")
+# Fields two peers must agree on, in the order a mismatch is reported (TP, block size and token layout
+# may differ: hetero.py plans those pairs).
+_MUST_MATCH = ("dtype", "num_layers", "head_dim", "model_kv_heads")
+
+
+def rank_heads(model_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """The global KV heads [start, stop) that rank `tp_rank` of `tp_size` holds."""
+    if tp_size <= model_kv_heads:
+        per_rank = model_kv_heads // tp_size
+        return tp_rank * per_rank, (tp_rank + 1) * per_rank
+    head = tp_rank // (tp_size // model_kv_heads)
+    return head, head + 1
+
+
+def tp_problem(model_kv_heads: int, tp_size: int) -> str:
+    """Why `tp_size` ranks cannot share `model_kv_heads` KV heads evenly ("" when they can)."""
+    if tp_size <= model_kv_heads and model_kv_heads % tp_size:
+        return f"tp_size {tp_size} does not divide the model's {model_kv_heads} KV heads"
+    if tp_size > model_kv_heads and tp_size % model_kv_heads:
+        return f"tp_size {tp_size} is not a multiple of the model's {model_kv_heads} KV heads (replication)"
+    return ""
 
 
 class CacheSpec(msgspec.Struct, frozen=True):
@@ -71,7 +98,8 @@ class CacheSpec(msgspec.Struct, frozen=True):
     device: str = "cpu"
     tp_size: int = 1
     tp_rank: int = 0
-    token_layout: str = "NHD"
+    token_layout: str = "NHD"  # inside one K or V block: NHD (block_size, H, D) or HND (H, block_size, D)
+    total_kv_heads: int = 0  # the model's KV heads; 0 means num_kv_heads * tp_size (no replication)
 
     def __post_init__(self) -> None:
         problems = []
@@ -85,10 +113,34 @@ class CacheSpec(msgspec.Struct, frozen=True):
             problems.append(f"device must be one of {DEVICE_KINDS}, got {self.device!r}")
         if type(self.tp_rank) is not int or not 0 <= self.tp_rank < max(int(self.tp_size), 1):
             problems.append(f"tp_rank must lie in [0, tp_size), got {self.tp_rank!r}")
-        if self.token_layout != "NHD":
-            problems.append(f"token_layout {self.token_layout!r} is not supported (only NHD)")
+        if self.token_layout not in TOKEN_LAYOUTS:
+            problems.append(f"token_layout {self.token_layout!r} is not one of {TOKEN_LAYOUTS}")
+        if type(self.total_kv_heads) is not int or self.total_kv_heads < 0:
+            problems.append(f"total_kv_heads must be a non-negative integer, got {self.total_kv_heads!r}")
+        elif not problems:
+            total, tp = self.model_kv_heads, self.tp_size
+            if tp_problem(total, tp):
+                problems.append(tp_problem(total, tp))
+            elif self.num_kv_heads != max(total // tp, 1):
+                problems.append(f"num_kv_heads {self.num_kv_heads} != {max(total // tp, 1)}, the heads per rank "
+                                f"of {total} KV heads over tp_size {tp}")
         if problems:
             raise LayoutError("invalid cache spec: " + "; ".join(problems))
+
+    # --- heads -------------------------------------------------------------------------------------
+
+    @property
+    def model_kv_heads(self) -> int:
+        return self.total_kv_heads or self.num_kv_heads * self.tp_size
+
+    @property
+    def head_replication(self) -> int:
+        """How many ranks hold the same heads (1 unless tp_size exceeds the KV heads)."""
+        return max(self.tp_size // self.model_kv_heads, 1)
+
+    def head_range(self) -> tuple[int, int]:
+        """The global KV heads [start, stop) this rank holds."""
+        return rank_heads(self.model_kv_heads, self.tp_size, self.tp_rank)
 
     # --- byte math ---------------------------------------------------------------------------------
 
@@ -141,6 +193,8 @@ class CacheSpec(msgspec.Struct, frozen=True):
     def region_shape(self) -> tuple[int, ...]:
         """Shape of one registered tensor."""
         tail = (self.block_size, self.num_kv_heads, self.head_dim)
+        if self.token_layout == "HND":
+            tail = (self.num_kv_heads, self.block_size, self.head_dim)
         if self.kind is LayoutKind.BLOCKS_FIRST:
             return (self.num_blocks, 2, *tail)
         if self.kind is LayoutKind.KV_FIRST:
@@ -177,6 +231,8 @@ class UnitTable:
 
 def unit_table(spec: CacheSpec, granularity: Granularity) -> UnitTable:
     """The unit table of `spec` at `granularity`; unit u means the same (layer, K/V) on every layout."""
+    if granularity is Granularity.CHUNK:
+        raise LayoutError("CHUNK unit tables depend on the pair: build them with hetero.chunk_tables")
     if granularity < spec.natural_granularity:
         raise LayoutError(
             f"{spec.kind.value} is not contiguous at {granularity.name} granularity "
@@ -211,16 +267,18 @@ def pair_granularity(local: CacheSpec, remote: CacheSpec) -> Granularity:
 
 
 def check_compatible(local: CacheSpec, remote: CacheSpec) -> None:
-    """Raise LayoutMismatchError naming every field that prevents a block-for-block pull."""
+    """Raise LayoutMismatchError naming every field that makes the two caches hold different models."""
     mismatched = {
         name: (getattr(local, name), getattr(remote, name))
         for name in _MUST_MATCH
         if getattr(local, name) != getattr(remote, name)
     }
     if mismatched:
-        reasons = []
-        if "tp_size" in mismatched:
-            reasons.append("heterogeneous tensor parallelism is not supported")
-        if "block_size" in mismatched:
-            reasons.append("block-size conversion is not supported")
-        raise LayoutMismatchError(mismatched, "; ".join(reasons))
+        raise LayoutMismatchError(mismatched, "the two workers do not serve the same model shape")
+
+
+def same_block_shape(local: CacheSpec, remote: CacheSpec) -> bool:
+    """True when a block means the same bytes on both sides: same heads, block size and token order."""
+    if local.head_range() != remote.head_range() or local.block_size != remote.block_size:
+        return False
+    return local.token_layout == remote.token_layout or local.num_kv_heads == 1 or local.block_size == 1

@@ -141,9 +141,14 @@ def test_mismatch_names_every_field() -> None:
     b = spec(LayoutKind.BLOCKS_FIRST, dtype="bfloat16", num_layers=4, head_dim=16, block_size=8, tp_size=2)
     with pytest.raises(LayoutMismatchError) as e:
         check_compatible(a, b)
-    assert set(e.value.fields) == {"dtype", "num_layers", "head_dim", "block_size", "tp_size"}
-    assert "tensor parallelism" in str(e.value) and "block-size conversion" in str(e.value)
+    assert set(e.value.fields) == {"dtype", "num_layers", "head_dim", "model_kv_heads"}
+    assert "same model shape" in str(e.value)
     check_compatible(a, spec(LayoutKind.KV_FIRST, num_blocks=99))  # kind and num_blocks may differ
+    # TP, block size and token layout may differ too (hetero.py plans them), but not block for block
+    other = spec(LayoutKind.KV_FIRST, block_size=8, token_layout="HND", num_kv_heads=1, tp_size=2)
+    check_compatible(a, other)
+    with pytest.raises(LayoutError, match="hetero"):
+        PairPlan.build(a, other)
 
 
 def test_invalid_spec_is_refused() -> None:
