@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "proxy": ("kvconnect.proxy", "run the llm-d style prefill/decode proxy"),
     "demo": ("kvconnect.demo", "start a local prefill+decode+proxy and check disagg == agg"),
     "bench": ("kvconnect.bench", "KV-shaped transfer benchmark against a same-run copy ceiling"),
+    "verdict": ("kvconnect.verdict", "time a NIXL READ against a copy and name the UCX transport (JSON)"),
 }
 
 

@@ -7,6 +7,7 @@ same names for its flags, so a container, a Kubernetes manifest and a shell read
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from collections.abc import Mapping
 
@@ -33,6 +34,13 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
     failure_policy: str = "fail"  # "fail" or "recompute" when a pull fails
     poll_interval_s: float = 0.001  # I/O loop tick: notifications, deadlines, lease expiry
     transport: str = "auto"  # "auto" (CUDA IPC gather for same-host GPU peers, else NIXL), "nixl", "ipc"
+    # transport verdict (verdict.py): at start-up a decode/both worker times a NIXL READ between two local
+    # processes against a torch copy, names UCX's transport, logs it and exports it in /metrics
+    verdict: bool = False
+    refuse_tcp: bool = False  # fail start-up when UCX carried that READ over TCP (implies verdict)
+    verdict_bytes: int = 0  # scratch buffer; 0 = 64 MiB; else a multiple of 1 MiB
+    verdict_peer_device: str = ""  # device of the buffer read ("cpu", "cuda:1"); "" = the worker's device
+    verdict_timeout_s: float = 60.0  # deadline of the whole calibration, child processes included
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -49,13 +57,17 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
             raise ConfigError(f"advertise_host {self.advertise_host!r} is a wildcard, not an address peers can dial")
         if not 0 <= self.side_channel_port < 65536:
             raise ConfigError(f"side_channel_port {self.side_channel_port} is not a TCP port")
-        for name in ("lease_ttl_s", "handshake_timeout_s", "pull_timeout_s", "poll_interval_s"):
+        for name in ("lease_ttl_s", "handshake_timeout_s", "pull_timeout_s", "poll_interval_s", "verdict_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.transport not in ("auto", "nixl", "ipc"):
             raise ConfigError(f"transport must be 'auto', 'nixl' or 'ipc', got {self.transport!r}")
         if self.failure_policy not in ("fail", "recompute"):
             raise ConfigError(f"failure_policy must be 'fail' or 'recompute', got {self.failure_policy!r}")
+        if self.verdict_bytes < 0 or self.verdict_bytes % 2**20:
+            raise ConfigError(f"verdict_bytes must be 0 (default) or a multiple of 1 MiB, got {self.verdict_bytes}")
+        if not re.fullmatch(r"(cpu|cuda(:\d+)?)?", self.verdict_peer_device):
+            raise ConfigError(f"verdict_peer_device must be cpu, cuda or cuda:N, got {self.verdict_peer_device!r}")
 
     @property
     def secret_bytes(self) -> bytes:

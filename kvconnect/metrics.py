@@ -8,12 +8,16 @@ ended leases by outcome, recomputed and quarantined pulls, and finished requests
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvconnect.errors import KVConnectError
 from kvconnect.transfer import PullStats
+
+if TYPE_CHECKING:
+    from kvconnect.verdict import TransportVerdict
 
 _TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _BYTE_BUCKETS = tuple(float(2**k) for k in range(12, 36, 2))
@@ -75,6 +79,17 @@ class WorkerMetrics:
     def bind(self, read: Callable[[], dict[str, float]]) -> None:
         """Expose the `SNAPSHOT` values that `read()` returns at each scrape."""
         self.registry.register(_Snapshot(read))
+
+    def on_verdict(self, verdict: TransportVerdict) -> None:
+        """The start-up transport verdict: exported only by workers that ran one."""
+        r = self.registry
+        Gauge("kvconnect_transport_gbps", "start-up NIXL READ throughput (GB/s)", registry=r).set(verdict.gbps)
+        Gauge("kvconnect_transport_ceiling_gbps", "torch copy of the same bytes in the same run (GB/s)",
+              registry=r).set(verdict.ceiling_gbps)
+        Gauge("kvconnect_transport_ratio", "READ / ceiling", registry=r).set(verdict.ratio)
+        Info("kvconnect_transport", "UCX transport of the start-up READ", registry=r).info(
+            {"transport": verdict.transport, "mem_kind": verdict.mem_kind, "protocol": verdict.protocol,
+             "ucx_config": ";".join(verdict.ucx_config)})
 
     def on_pull_done(self, stats: PullStats, error: KVConnectError | None) -> None:
         if error is not None:

@@ -35,6 +35,7 @@ from kvconnect.engine.engine import Engine
 from kvconnect.engine.sampling import SamplingParams
 from kvconnect.engine.sequence import TokenEvent
 from kvconnect.errors import (
+    ConfigError,
     InvalidRequestError,
     KVConnectError,
     LayoutMismatchError,
@@ -46,6 +47,7 @@ from kvconnect.layout import LayoutKind
 from kvconnect.metrics import WorkerMetrics
 from kvconnect.pd import LeaseKeeper, PullLoader, check_remote_blocks
 from kvconnect.protocol import parse_kv_transfer_params
+from kvconnect.verdict import TransportVerdict, startup_verdict
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "both")
@@ -59,8 +61,13 @@ class Worker:
         if role not in ROLES:
             raise InvalidRequestError("role", f"must be one of {ROLES}")
         self.role = role
+        self.verdict: TransportVerdict | None = None
+        if role != "prefill" and (conn_config.verdict or conn_config.refuse_tcp):  # before the cache takes memory
+            self.verdict = startup_verdict(engine_config.device, conn_config)  # ConfigError: TCP refused
         self.engine = Engine(engine_config)
         self.metrics = WorkerMetrics()
+        if self.verdict is not None:
+            self.metrics.on_verdict(self.verdict)
         self.connector = KVConnector(self.engine.cache, conn_config, on_blocks_freed=self.engine.allocator.free,
                                      on_pull_done=self.metrics.on_pull_done)
         self.metrics.bind(self._snapshot)
@@ -245,7 +252,8 @@ class Worker:
                              "allocated_blocks": self.engine.allocator.num_allocated,
                              "quarantined_blocks": self.connector.decode.abandoned.num_blocks,
                              "loading": self.engine.num_loading, "running": self.engine.num_running,
-                             "side_channel_port": self.connector.side_channel_port})
+                             "side_channel_port": self.connector.side_channel_port,
+                             "transport_verdict": msgspec.to_builtins(self.verdict)})
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": MODEL_NAME, "object": "model",
@@ -298,6 +306,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--failure-policy", choices=["fail", "recompute"], default=None)
     p.add_argument("--pull-timeout-s", type=float, default=None, help="deadline of one pull (READ + confirm)")
     p.add_argument("--handshake-timeout-s", type=float, default=None)
+    p.add_argument("--verdict", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode/both: time a NIXL READ against a copy at start-up, log it and export it in /metrics")
+    p.add_argument("--refuse-tcp", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode/both: refuse to start when UCX carries that READ over TCP (implies --verdict)")
 
 
 def build_worker(args: argparse.Namespace) -> Worker:
@@ -305,6 +317,7 @@ def build_worker(args: argparse.Namespace) -> Worker:
         engine_id=args.engine_id, side_channel_host=args.side_channel_host, side_channel_port=args.side_channel_port,
         advertise_host=args.advertise_host, lease_ttl_s=args.lease_ttl_s, failure_policy=args.failure_policy,
         pull_timeout_s=args.pull_timeout_s, handshake_timeout_s=args.handshake_timeout_s,
+        verdict=args.verdict, refuse_tcp=args.refuse_tcp,
     )
     engine = EngineConfig(layout=LayoutKind(args.layout), block_size=args.block_size, num_blocks=args.num_blocks,
                           device=args.device)
@@ -314,7 +327,11 @@ def build_worker(args: argparse.Namespace) -> Worker:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    worker = build_worker(args)
+    try:
+        worker = build_worker(args)
+    except ConfigError as e:  # a bad setting, or the transport verdict refused this host's transport
+        log.error("kvconnect serve: %s", e)
+        return 2
     try:
         uvicorn.run(worker.app(), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     finally:
