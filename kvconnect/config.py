@@ -34,6 +34,10 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
     failure_policy: str = "fail"  # "fail" or "recompute" when a pull fails
     poll_interval_s: float = 0.001  # I/O loop tick: notifications, deadlines, lease expiry
     transport: str = "auto"  # "auto" (CUDA IPC gather for same-host GPU peers, else NIXL), "nixl", "ipc"
+    # pairs whose blocks differ (TP, block size, NHD/HND; hetero.py): "auto" places directly when each token
+    # segment is one contiguous range on both sides, else stages; "direct" or "staging" force one
+    hetero_path: str = "auto"
+    staging_mb: int = 512  # staging cache for such pairs (allocated at the first handshake that needs it); 0 = off
     # transport verdict (verdict.py): at start-up a decode/both worker times a NIXL READ between two local
     # processes against a torch copy, names UCX's transport, logs it and exports it in /metrics
     verdict: bool = False
@@ -62,6 +66,10 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.transport not in ("auto", "nixl", "ipc"):
             raise ConfigError(f"transport must be 'auto', 'nixl' or 'ipc', got {self.transport!r}")
+        if self.hetero_path not in ("auto", "direct", "staging"):
+            raise ConfigError(f"hetero_path must be 'auto', 'direct' or 'staging', got {self.hetero_path!r}")
+        if self.staging_mb < 0:
+            raise ConfigError(f"staging_mb must be >= 0, got {self.staging_mb}")
         if self.failure_policy not in ("fail", "recompute"):
             raise ConfigError(f"failure_policy must be 'fail' or 'recompute', got {self.failure_policy!r}")
         if self.verdict_bytes < 0 or self.verdict_bytes % 2**20:

@@ -129,7 +129,10 @@ class KVConnector:
     # --- prefill role ------------------------------------------------------------------------------
 
     def lease(self, request_id: str, block_ids: Sequence[int], num_tokens: int | None = None) -> p.KVTransferParams:
-        """Hold `block_ids` for a remote reader; returns the kv_transfer_params to hand to decode."""
+        """Hold `block_ids` for a remote reader; returns the kv_transfer_params to hand to decode.
+
+        Ranks of a TP group lease the same ids under the same request id and listen on consecutive side
+        channel ports (rank r on base + r); the params name the base port, so rank 0's params serve all."""
         ids = [int(b) for b in block_ids]
         bad = [b for b in ids if not 0 <= b < self.spec.num_blocks]
         if bad or not ids:
@@ -141,7 +144,7 @@ class KVConnector:
             remote_engine_id=self.engine_id,
             remote_block_ids=ids,
             remote_host=self.config.advertise_host,
-            remote_port=self.side_channel_port,
+            remote_port=self.side_channel_port - self.spec.tp_rank,
             remote_request_id=request_id,
             tp_size=self.spec.tp_size,
             remote_incarnation_id=self.incarnation_id,
@@ -165,7 +168,7 @@ class KVConnector:
         if msg.action is p.LeaseAction.CONFIRM:
             state = self.leases.state(msg.request_id)
             if state is p.LeaseState.HELD:
-                state = self.leases.complete(msg.request_id)
+                state = self.leases.complete(msg.request_id, msg.reader, msg.readers)
         else:
             state = self.leases.release(msg.request_id)
             if state is p.LeaseState.RELEASED:
@@ -184,7 +187,7 @@ class KVConnector:
                     self.counters.stale_notifs += 1
                     continue
                 self.counters.notifs += 1
-                self.leases.complete(notif.request_id)
+                self.leases.complete(notif.request_id, notif.reader, notif.readers)
 
     # --- decode role -------------------------------------------------------------------------------
 

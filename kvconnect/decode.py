@@ -1,8 +1,10 @@
 """Decode side of a connector: peers learned by handshake, and pulls driven to completion.
 
-Runs on the connector's loop thread (except `pull`, which only validates and enqueues). A peer is
-cached per remote engine id together with its incarnation, remote NIXL agent and prepared descriptor
-lists; a pull naming another incarnation, or a disconnect, drops the stale peer and handshakes again.
+Runs on the connector's loop thread (except `pull`, which only validates and enqueues). A peer is one
+prefill rank (engine id + TP rank), cached together with its incarnation, remote NIXL agent, the plan
+chosen for it at handshake (`hetero.SourcePlan`) and prepared descriptor lists; a pull naming another
+incarnation, or a disconnect, drops the stale peer and handshakes again. A request read from several
+prefill ranks (heterogeneous TP) runs as one pull per rank, joined by a `PullGroup`.
 """
 
 from __future__ import annotations
@@ -13,24 +15,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import zmq
 
 from kvconnect import protocol as p
 from kvconnect.agent import MemKind, PreppedList, XferState
-from kvconnect.descriptors import PairPlan, strided_descriptor_array
+from kvconnect.descriptors import PairPlan, strided_descriptor_array, token_span
 from kvconnect.errors import (
     HandshakeError,
     HandshakeTimeoutError,
     InvalidRequestError,
     KVConnectError,
+    LayoutMismatchError,
     LeaseLostError,
     PeerGoneError,
     TransferError,
     TransferTimeoutError,
 )
 from kvconnect.handshake import PeerChannel
-from kvconnect.layout import Granularity
-from kvconnect.transfer import AbandonedReads, Pull, PullHandle, PullPhase
+from kvconnect.hetero import Path, Source, SourcePlan, Sources, plan_source, plan_sources
+from kvconnect.layout import CacheSpec, UnitTable
+from kvconnect.staging import StagingPool, scatter
+from kvconnect.transfer import AbandonedReads, Pull, PullGroup, PullHandle, PullPhase
 
 if TYPE_CHECKING:
     from kvconnect.connector import KVConnector
@@ -44,10 +50,12 @@ class Peer:
     host: str
     port: int
     channel: PeerChannel
+    source: Source
+    remote_tp: int = 1
     hello_sent_s: float = 0.0
     info: p.PeerInfo | None = None
     agent_name: str = ""
-    pair: PairPlan | None = None
+    plan: SourcePlan | None = None
     remote_list: PreppedList | None = None
     waiting: list[Pull] = field(default_factory=list)
     confirming: dict[str, Pull] = field(default_factory=dict)
@@ -58,6 +66,18 @@ class Peer:
     def ready(self) -> bool:
         return self.remote_list is not None
 
+    @property
+    def key(self) -> str:
+        return f"{self.engine_id}#{self.source.rank}"
+
+    @property
+    def pair(self) -> PairPlan | None:
+        return self.plan.pair if self.plan is not None else None
+
+
+def _list_key(table: UnitTable, spec: CacheSpec) -> tuple:
+    return (table.granularity, table.unit_bytes, table.region.tobytes(), table.offset_bytes.tobytes(), spec)
+
 
 class DecodeSide:
     def __init__(self, conn: KVConnector, ctx: zmq.Context, secret: bytes) -> None:
@@ -65,16 +85,48 @@ class DecodeSide:
         self._ctx = ctx
         self._secret = secret
         self._peers: dict[str, Peer] = {}
-        self._local_lists: dict[Granularity, PreppedList] = {}
+        self._local_lists: dict[tuple, PreppedList] = {}
+        self._staging: dict[CacheSpec, StagingPool] = {}  # by staging spec (one per remote shape)
+        self._staging_wait: list[Pull] = []  # staging pulls waiting for free staging blocks
         self._posted: list[Pull] = []
+        self._sources: dict[int, Sources] = {}  # by remote TP size
         self.abandoned = AbandonedReads(conn.agent)  # given-up READs that may still land
 
     # --- any thread --------------------------------------------------------------------------------
 
+    def sources(self, remote_tp: int) -> Sources:
+        got = self._sources.get(remote_tp)
+        if got is None:
+            try:
+                got = self._sources[remote_tp] = plan_sources(self._conn.spec, remote_tp)
+            except LayoutMismatchError as e:
+                raise InvalidRequestError("kv_transfer_params.tp_size", str(e)) from e
+        return got
+
     def pull(self, params: p.KVTransferParams, local_block_ids: Sequence[int], request_id: str | None) -> PullHandle:
         conn = self._conn
         pull = Pull.from_params(params, local_block_ids, request_id, conn.spec, conn.config.pull_timeout_s)
-        conn._call(lambda: self._start(pull))
+        sources = self.sources(pull.remote_tp)
+        if len(sources.reads) == 1:
+            pull.source = sources.reads[0]
+            pull.remote_port += pull.source.rank
+            if pull.source.rank:
+                pull.expected_incarnation = None  # the params name rank 0's incarnation
+            parts = [pull]
+        else:
+            group = PullGroup(pull, len(sources.reads))
+            parts = [pull.part(source, group) for source in sources.reads]
+        release = [p.KVTransferParams(remote_engine_id=pull.remote_engine_id, remote_host=pull.remote_host,
+                                      remote_port=params.remote_port, remote_request_id=pull.remote_request_id,
+                                      tp_size=pull.remote_tp) for _ in sources.release_only]
+
+        def start() -> None:
+            for part in parts:
+                self._start(part)
+            for rank, msg in zip(sources.release_only, release, strict=True):
+                self._send_release_to(msg, rank)  # copies of heads nobody reads: free them now
+
+        conn._call(start)
         return pull.handle
 
     # --- loop thread -------------------------------------------------------------------------------
@@ -85,18 +137,27 @@ class DecodeSide:
 
     def _start(self, pull: Pull) -> None:
         pull.handle.stats.queued_s = time.monotonic() - pull.requested_s
-        peer = self._peers.get(pull.remote_engine_id)
-        if peer is not None and (peer.host, peer.port) != (pull.remote_host, pull.remote_port):
+        assert pull.source is not None
+        peer = self._peers.get(pull.peer_key)
+        if peer is not None and (peer.host, peer.port, peer.remote_tp) != (pull.remote_host, pull.remote_port,
+                                                                          pull.remote_tp):
             self._fail_peer(peer, PeerGoneError(f"engine {peer.engine_id}: side channel address changed"))
             peer = None
+        if peer is not None and peer.source != pull.source:
+            if peer.plan is None:
+                peer.source = pull.source  # made to send a release; it reads these heads from now on
+            else:
+                self._drop_peer(peer, "pull reads other heads from this rank")
+                peer = None
         if (peer is not None and peer.info is not None
                 and pull.expected_incarnation not in (None, peer.info.incarnation_id)):
             self._drop_peer(peer, f"pull names incarnation {pull.expected_incarnation[:12]}")
             peer = None
         if peer is None:
             peer = Peer(pull.remote_engine_id, pull.remote_host, pull.remote_port,
-                        PeerChannel(self._ctx, pull.remote_host, pull.remote_port, self._secret))
-            self._peers[peer.engine_id] = peer
+                        PeerChannel(self._ctx, pull.remote_host, pull.remote_port, self._secret), pull.source,
+                        pull.remote_tp)
+            self._peers[peer.key] = peer
         if peer.ready:
             self._post(peer, pull)
             return
@@ -112,7 +173,14 @@ class DecodeSide:
             if info.engine_id != peer.engine_id:
                 raise InvalidRequestError("kv_transfer_params.remote_engine_id", f"peer at {peer.host}:"
                                           f"{peer.port} is engine {info.engine_id!r}, not {peer.engine_id!r}")
-            pair = PairPlan.build(conn.spec, info.spec)
+            if (info.spec.tp_size, info.spec.tp_rank) != (peer.remote_tp, peer.source.rank):
+                raise LayoutMismatchError(
+                    {"tp_rank": (peer.source.rank, info.spec.tp_rank), "tp_size": (peer.remote_tp, info.spec.tp_size)},
+                    f"peer at {peer.host}:{peer.port} is rank {info.spec.tp_rank} of {info.spec.tp_size}, expected "
+                    f"rank {peer.source.rank} of {peer.remote_tp} (ranks listen on base port + rank)")
+            staging_blocks = conn.config.staging_mb * 2**20 // info.spec.block_bytes
+            plan = plan_source(conn.spec, info.spec, peer.source, conn.config.hetero_path, staging_blocks)
+            pair = plan.pair
             peer.agent_name = conn.agent.add_remote(info.agent_metadata)
             remote_mem = MemKind.for_device(info.spec.device)
             peer.remote_list = conn.agent.prep(
@@ -120,24 +188,34 @@ class DecodeSide:
                 strided_descriptor_array(pair.remote_units, info.spec.num_blocks, info.base_addrs, info.device_id),
                 remote_mem,
             )
-            if pair.granularity not in self._local_lists:
-                self._local_lists[pair.granularity] = conn.agent.prep(
+            if plan.staging_spec is not None and plan.staging_spec not in self._staging:
+                pool = StagingPool(plan.staging_spec)
+                conn.agent.register(np.array([[addr, plan.staging_spec.region_bytes, pool.cache.device_id]
+                                              for addr in pool.cache.base_addrs()], dtype=np.int64), conn.mem)
+                self._staging[plan.staging_spec] = pool
+                log.info("staging cache for %s: %d blocks, %.0f MiB", info.spec.kind.value, pool.capacity,
+                         plan.staging_spec.cache_bytes / 2**20)
+            key = self._local_key(plan)
+            if key not in self._local_lists:
+                target = self._staging[plan.staging_spec].cache if plan.staging_spec is not None else conn.cache
+                self._local_lists[key] = conn.agent.prep(
                     "",
-                    strided_descriptor_array(pair.local_units, conn.spec.num_blocks, conn.cache.base_addrs(),
-                                             conn.cache.device_id),
+                    strided_descriptor_array(pair.local_units, pair.local_spec.num_blocks, target.base_addrs(),
+                                             target.device_id),
                     conn.mem,
                 )
-            peer.pair, peer.info = pair, info
-            self._try_ipc(peer, info, pair)
+            peer.plan, peer.info = plan, info
+            if plan.path is Path.BLOCK:
+                self._try_ipc(peer, info, pair)
         except KVConnectError as e:
             conn.counters.handshake_failures += 1
             self._fail_peer(peer, e)
             return
         conn.counters.handshakes += 1
         handshake_s = time.monotonic() - peer.hello_sent_s
-        log.info("peer %s ready: incarnation %s, %s<-%s at %s granularity over %s, handshake %.1f ms "
-                 "(setup %.1f ms)", peer.engine_id, info.incarnation_id[:12], conn.spec.kind.value,
-                 info.spec.kind.value, pair.granularity.name, peer.transport, handshake_s * 1e3,
+        log.info("peer %s ready: incarnation %s, %s<-%s, %s, %d descriptors per block, over %s, handshake %.1f ms "
+                 "(setup %.1f ms)", peer.key, info.incarnation_id[:12], conn.spec.kind.value,
+                 info.spec.kind.value, plan.describe(), plan.descs_per_block, peer.transport, handshake_s * 1e3,
                  (time.monotonic() - t0) * 1e3)
         waiting, peer.waiting = peer.waiting, []
         for pull in waiting:
@@ -148,6 +226,9 @@ class DecodeSide:
                     f"{pull.expected_incarnation[:12]}, peer is now {info.incarnation_id[:12]})"))
             else:
                 self._post(peer, pull)
+
+    def _local_key(self, plan: SourcePlan) -> tuple:
+        return _list_key(plan.pair.local_units, plan.pair.local_spec)
 
     def _try_ipc(self, peer: Peer, info: p.PeerInfo, pair: PairPlan) -> None:
         """Use the IPC gather for a same-host GPU peer when allowed; NIXL stays as the fallback."""
@@ -166,28 +247,43 @@ class DecodeSide:
 
     def _post(self, peer: Peer, pull: Pull) -> None:
         conn = self._conn
-        assert peer.pair is not None and peer.remote_list is not None and peer.info is not None
+        assert peer.plan is not None and peer.remote_list is not None and peer.info is not None
+        plan_src = peer.plan
         t0 = time.monotonic()
         try:
-            local, remote = peer.pair.order_checked(pull.local_block_ids, pull.remote_block_ids)  # see from_params
+            if plan_src.path is Path.STAGING:
+                if not self._reserve_staging(plan_src, pull):
+                    self._staging_wait.append(pull)
+                    return
+                assert pull.staging_ids is not None
+                local_ids: Sequence[int] = pull.staging_ids
+            else:
+                local_ids = pull.local_block_ids
+            local, remote = plan_src.pair.order_checked(local_ids, pull.remote_block_ids)  # see from_params
+            if not plan_src.pair.block_for_block or plan_src.path is Path.STAGING:
+                pull.num_tokens = token_span(len(pull.local_block_ids), conn.spec.block_size,
+                                             len(pull.remote_block_ids), peer.info.spec.block_size, pull.num_tokens)
         except InvalidRequestError as e:
             self._fail(pull, e)
             return
         pull.incarnation_id = peer.info.incarnation_id
         stats = pull.handle.stats
         stats.validate_s = time.monotonic() - t0
-        stats.granularity = peer.pair.granularity.name
+        stats.granularity = plan_src.pair.granularity.name
         stats.transport = peer.transport
+        stats.path = plan_src.path.value
         try:
             if peer.mapped is not None:  # launch first: the plan below is only bookkeeping for this path
                 pull.event = peer.mapped.post(local, remote)
                 state = XferState.PROC
                 posted_s = time.monotonic()
-                plan = pull.plan = peer.pair.plan_validated(local, remote)
+                plan = pull.plan = plan_src.pair.plan_validated(local, remote)
             else:
-                plan = pull.plan = peer.pair.plan_validated(local, remote)
-                notif = p.encode_notif(pull.remote_request_id, peer.info.incarnation_id)
-                pull.xfer = conn.agent.read(self._local_lists[peer.pair.granularity], plan.local_indices,
+                plan = pull.plan = plan_src.pair.plan_validated(local, remote, pull.num_tokens)
+                src = pull.source
+                assert src is not None
+                notif = p.encode_notif(pull.remote_request_id, peer.info.incarnation_id, src.reader, src.readers)
+                pull.xfer = conn.agent.read(self._local_lists[self._local_key(plan_src)], plan.local_indices,
                                             peer.remote_list, plan.remote_indices, notif)
                 state = conn.agent.post(pull.xfer)
                 posted_s = time.monotonic()
@@ -204,11 +300,46 @@ class DecodeSide:
         self._posted.append(pull)
         self._check(pull, state)
 
+    def _reserve_staging(self, plan: SourcePlan, pull: Pull) -> bool:
+        """Staging blocks for the pull's remote blocks (False: wait); InvalidRequestError if it can never fit."""
+        assert plan.staging_spec is not None
+        pool = self._staging[plan.staging_spec]
+        ids = pool.alloc(len(pull.remote_block_ids))
+        if ids is None:
+            return False
+        pull.staging_ids = ids
+
+        def free() -> None:
+            if pull.staging_ids is not None:
+                pool.free(pull.staging_ids)
+                pull.staging_ids = None
+
+        pull.on_settled = free
+        return True
+
+    def _scatter(self, pull: Pull) -> KVConnectError | None:
+        """Staging path: move the pulled tokens and heads into the decode cache, then free the staging blocks."""
+        peer = self._peers.get(pull.peer_key)
+        if peer is None or peer.plan is None or peer.plan.staging_spec is None:
+            return PeerGoneError(f"engine {pull.remote_engine_id} dropped before its staged blocks were placed")
+        assert pull.staging_ids is not None and pull.num_tokens is not None and pull.source is not None
+        t0 = time.monotonic()
+        cache = self._conn.cache
+        scatter(self._staging[peer.plan.staging_spec].cache, pull.staging_ids, cache, pull.local_block_ids,
+                pull.num_tokens, pull.source.heads)
+        if cache.spec.device == "cuda":
+            import torch
+
+            torch.cuda.current_stream(cache.regions[0].device).synchronize()
+        pull.handle.stats.scatter_s = time.monotonic() - t0
+        return None
+
     def _check(self, pull: Pull, state: XferState) -> None:
         if state is XferState.PROC:
             return
         self._posted.remove(pull)
         if state is XferState.ERR:
+            self._release_xfer(pull)
             self._fail(pull, TransferError(f"pull {pull.handle.request_id}: NIXL reported ERR"))
             return
         now = time.monotonic()
@@ -219,17 +350,27 @@ class DecodeSide:
             if issued is not None:
                 pull.extra["issued_descs"] = issued
         self._release_xfer(pull)
+        if pull.staging_ids is not None:
+            error = self._scatter(pull)
+            if pull.on_settled is not None:
+                pull.on_settled()
+                pull.on_settled = None
+            if error is not None:
+                self._fail(pull, error)
+                return
         if not self._conn.config.confirm_reads and pull.handle.stats.transport != "ipc":
             self._succeed(pull)  # (an IPC gather sends no notification: its confirmation ends the lease)
             return
-        peer = self._peers.get(pull.remote_engine_id)
+        peer = self._peers.get(pull.peer_key)
         if peer is None:
             self._fail(pull, PeerGoneError(f"engine {pull.remote_engine_id} dropped before confirmation"))
             return
+        src = pull.source
+        assert src is not None
         pull.phase = PullPhase.CONFIRMING
         peer.confirming[pull.remote_request_id] = pull
         peer.channel.send(p.LeaseRequest(p.PROTOCOL_VERSION, self._conn.engine_id, pull.remote_request_id,
-                                         p.LeaseAction.CONFIRM))
+                                         p.LeaseAction.CONFIRM, reader=src.reader, readers=src.readers))
 
     def progress(self) -> None:
         """One loop tick: replies, READ states, cancellations and deadlines."""
@@ -253,11 +394,20 @@ class DecodeSide:
             except KVConnectError as e:
                 self._posted.remove(pull)
                 self._release_xfer(pull)
-                if isinstance(e, PeerGoneError) and pull.remote_engine_id in self._peers:
-                    self._drop_peer(self._peers[pull.remote_engine_id], str(e))
+                if isinstance(e, PeerGoneError) and pull.peer_key in self._peers:
+                    self._drop_peer(self._peers[pull.peer_key], str(e))
                 self._fail(pull, e)
                 continue
             self._check(pull, state)
+        waiting, self._staging_wait = self._staging_wait, []
+        for pull in waiting:
+            staged_for = self._peers.get(pull.peer_key)
+            if pull.handle.cancel_requested or now >= pull.deadline_s or staged_for is None or not staged_for.ready:
+                self.send_release_for(pull)
+                self._fail(pull, TransferTimeoutError(f"pull {pull.handle.request_id}: no staging space before "
+                                                      "the deadline (raise staging_mb)"))
+            else:
+                self._post(staged_for, pull)
         for peer in list(self._peers.values()):
             if not peer.ready and peer.waiting and now - peer.hello_sent_s >= self._conn.config.handshake_timeout_s:
                 self._conn.counters.handshake_failures += 1
@@ -294,7 +444,7 @@ class DecodeSide:
                                             "when the read finished; data discarded"))
 
     def _abandon(self, pull: Pull, now: float) -> None:
-        self.abandoned.add(pull, getattr(self._peers.get(pull.remote_engine_id), "agent_name", ""))
+        self.abandoned.add(pull, getattr(self._peers.get(pull.peer_key), "agent_name", ""))
         self.send_release_for(pull)
         if pull.handle.cancel_requested:
             self._fail(pull, TransferError(f"pull {pull.handle.request_id} cancelled"))
@@ -304,19 +454,26 @@ class DecodeSide:
                 f"{now - pull.requested_s:.3g}s; abandoned"))
 
     def send_release_for(self, pull: Pull) -> None:
-        peer = self._peers.get(pull.remote_engine_id)
+        peer = self._peers.get(pull.peer_key)
         if peer is not None:
             peer.channel.send(p.LeaseRequest(p.PROTOCOL_VERSION, self._conn.engine_id, pull.remote_request_id,
                                              p.LeaseAction.RELEASE))
 
     def send_release(self, params: p.KVTransferParams) -> None:
+        """Release the lease on every rank of the prefill's TP group."""
+        for rank in range(max(params.tp_size, 1)):
+            self._send_release_to(params, rank)
+
+    def _send_release_to(self, params: p.KVTransferParams, rank: int) -> None:
         if not (params.remote_engine_id and params.remote_host and params.remote_port and params.remote_request_id):
             return
-        peer = self._peers.get(params.remote_engine_id)
+        peer = self._peers.get(f"{params.remote_engine_id}#{rank}")
         if peer is None:
-            peer = Peer(params.remote_engine_id, params.remote_host, params.remote_port,
-                        PeerChannel(self._ctx, params.remote_host, params.remote_port, self._secret))
-            self._peers[peer.engine_id] = peer
+            port = params.remote_port + rank
+            peer = Peer(params.remote_engine_id, params.remote_host, port,
+                        PeerChannel(self._ctx, params.remote_host, port, self._secret), Source(rank, (0, 0), 0, 1),
+                        params.tp_size)
+            self._peers[peer.key] = peer
         peer.channel.send(p.LeaseRequest(p.PROTOCOL_VERSION, self._conn.engine_id, params.remote_request_id,
                                          p.LeaseAction.RELEASE))
 
@@ -327,18 +484,32 @@ class DecodeSide:
 
     def _succeed(self, pull: Pull) -> None:
         conn = self._conn
-        conn.counters.pulls_ok += 1
         conn.counters.bytes_pulled += pull.handle.stats.bytes
         conn.counters.descs_posted += pull.handle.stats.num_descs_merged
         pull.finish(None)
-        if conn.on_pull_done:
-            conn.on_pull_done(pull.handle.stats, None)
+        self._report(pull, None)
 
     def _fail(self, pull: Pull, error: KVConnectError) -> None:
-        conn = self._conn
-        conn.counters.failed(error)
-        log.warning("pull %s from %s failed: %s", pull.handle.request_id, pull.remote_engine_id, error)
+        rank = pull.source.rank if pull.source is not None else 0
+        log.warning("pull %s from %s failed: %s%s", pull.handle.request_id, pull.remote_engine_id, error,
+                    f" (prefill rank {rank})" if rank else "")
+        if pull.staging_ids is not None and pull.xfer is None and pull.on_settled is not None:
+            pull.on_settled()  # no READ can land in its staging blocks any more
+            pull.on_settled = None
         pull.finish(error)
+        self._report(pull, error)
+
+    def _report(self, pull: Pull, error: KVConnectError | None) -> None:
+        """Count and announce a finished request (a multi-source one once, when its group ends)."""
+        if pull.group is not None:
+            if not pull.group.part_done(pull, error):
+                return
+            pull = pull.group.parent
+        conn = self._conn
+        if error is None:
+            conn.counters.pulls_ok += 1
+        else:
+            conn.counters.failed(error)
         if conn.on_pull_done:
             conn.on_pull_done(pull.handle.stats, error)
 
@@ -350,9 +521,9 @@ class DecodeSide:
 
     def _drop_peer(self, peer: Peer, why: str) -> None:
         """Forget a peer: its remote agent, prepared lists and channel. In-flight pulls fail."""
-        log.info("dropping peer %s: %s", peer.engine_id, why)
-        self._peers.pop(peer.engine_id, None)
-        for pull in [x for x in self._posted if x.remote_engine_id == peer.engine_id]:
+        log.info("dropping peer %s: %s", peer.key, why)
+        self._peers.pop(peer.key, None)
+        for pull in [x for x in self._posted if x.peer_key == peer.key]:
             self._posted.remove(pull)
             self.abandoned.add(pull, peer.agent_name)
             self._fail(pull, PeerGoneError(f"engine {peer.engine_id} dropped: {why}"))

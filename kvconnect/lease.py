@@ -28,6 +28,7 @@ class Lease:
     expires_s: float
     state: LeaseState = LeaseState.HELD
     ended_s: float = 0.0
+    readers_done: frozenset[int] = frozenset()  # decode ranks done reading, when several read it
 
 
 class LeaseTable:
@@ -91,13 +92,18 @@ class LeaseTable:
             self.counts[LeaseState.HELD] += 1
             return lease
 
-    def complete(self, request_id: str) -> LeaseState:
-        """The reader finished (notification or confirmation). Returns the lease's final state."""
+    def complete(self, request_id: str, reader: int = 0, readers: int = 1) -> LeaseState:
+        """Reader `reader` of `readers` finished (notification or confirmation). Returns COMPLETED when its
+        read happened under the lease; the lease itself ends when the last reader is done."""
         with self._lock:
             lease = self._leases.get(request_id)
             injected = self._expire_on_read > 0 and lease is not None and lease.state is LeaseState.HELD
             if injected:
                 self._expire_on_read -= 1
+            elif lease is not None and lease.state is LeaseState.HELD and readers > 1:
+                lease.readers_done = lease.readers_done | {reader}
+                if len(lease.readers_done) < readers:
+                    return LeaseState.COMPLETED  # this reader's data is good; the others still read
         if injected:  # as if the TTL had run out while the reader was reading
             log.warning("lease %s expired as its read finished (fault injection)", request_id)
             return self._end(request_id, LeaseState.EXPIRED)

@@ -66,6 +66,8 @@ class LeaseRequest(msgspec.Struct, tag="lease"):
     nonce: bytes = b""
     ts_ms: int = 0
     mac: bytes = b""
+    reader: int = 0  # which of `readers` decode ranks reading this prefill rank confirms (heterogeneous TP)
+    readers: int = 1
 
 
 # --- side channel: replies -----------------------------------------------------------------------
@@ -179,13 +181,15 @@ class PullNotif(msgspec.Struct, tag="pulled", array_like=True):
 
     request_id: str
     incarnation_id: str  # the prefill incarnation the reader believes it read from
+    reader: int = 0  # see LeaseRequest
+    readers: int = 1
 
 
 _notif_decoder = msgspec.msgpack.Decoder(PullNotif)
 
 
-def encode_notif(request_id: str, incarnation_id: str) -> bytes:
-    return _encoder.encode(PullNotif(request_id, incarnation_id))
+def encode_notif(request_id: str, incarnation_id: str, reader: int = 0, readers: int = 1) -> bytes:
+    return _encoder.encode(PullNotif(request_id, incarnation_id, reader, readers))
 
 
 def decode_notif(data: bytes) -> PullNotif:
@@ -205,7 +209,7 @@ class KVTransferParams(msgspec.Struct):
     remote_host: str | None = None
     remote_port: int | None = None
     remote_request_id: str | None = None
-    tp_size: int = 1
+    tp_size: int = 1  # the prefill's TP size; its rank r listens on remote_port + r (vLLM's convention)
     # kvconnect additions (ignored by vLLM):
     remote_incarnation_id: str | None = None
     remote_num_tokens: int | None = None

@@ -8,11 +8,12 @@ was held.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,8 @@ import msgspec
 from kvconnect.agent import NixlAgent, XferHandle, XferState
 from kvconnect.descriptors import PullPlan, validate_block_ids
 from kvconnect.errors import InvalidRequestError, KVConnectError, PeerGoneError, TransferTimeoutError
-from kvconnect.layout import CacheSpec
+from kvconnect.hetero import Source
+from kvconnect.layout import CacheSpec, tp_problem
 from kvconnect.protocol import KVTransferParams
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,9 @@ class PullStats(msgspec.Struct):
     transport: str = ""  # "nixl" or "ipc"
     validate_s: float = 0.0  # the part of post_s spent checking block ids
     queued_s: float = 0.0  # pull() returned -> the loop thread picked the pull up
+    path: str = ""  # "block", "direct" or "staging" (hetero.py); "+"-joined over several sources
+    num_sources: int = 1  # prefill ranks read (heterogeneous TP)
+    scatter_s: float = 0.0  # staging path: staging -> decode cache on the device
 
     @property
     def gbps(self) -> float:
@@ -70,7 +75,12 @@ class PullHandle:
         self._error: KVConnectError | None = None
         self._settled = threading.Event()
         self._settled.set()
-        self.cancel_requested = False
+        self._cancel = False
+        self.parts: list[PullHandle] = []  # one per source rank when several are read
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self._cancel
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -96,12 +106,14 @@ class PullHandle:
 
     def cancel(self) -> None:
         """Ask the loop to abandon the pull (its blocks must not be used)."""
-        self.cancel_requested = True
+        self._cancel = True
+        for part in self.parts:
+            part.cancel()
 
     def settled(self) -> bool:
         """False while an abandoned READ may still write into the local blocks: a failed pull's blocks
         may be reused (freed, recomputed into) only once this is True. See `AbandonedReads`."""
-        return self._settled.is_set()
+        return self._settled.is_set() and all(part.settled() for part in self.parts)
 
     def _finish(self, error: KVConnectError | None) -> None:
         self._error = error
@@ -130,6 +142,17 @@ class Pull:
     posted_s: float = 0.0
     read_done_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
+    remote_tp: int = 1
+    num_tokens: int | None = None  # tokens the blocks hold, when the prefill said (block-size conversion)
+    source: Source | None = None  # the prefill rank and heads this pull reads (set by the decode side)
+    group: PullGroup | None = None  # the request this pull is one source of
+    staging_ids: list[int] | None = None  # staging blocks the READ lands in (staging path)
+    on_settled: Callable[[], None] | None = None  # runs once no READ can write into this pull's blocks
+
+    @property
+    def peer_key(self) -> str:
+        rank = self.source.rank if self.source is not None else 0
+        return f"{self.remote_engine_id}#{rank}"
 
     @classmethod
     def from_params(cls, params: KVTransferParams, local_block_ids: Sequence[int], request_id: str | None,
@@ -142,14 +165,9 @@ class Pull:
                 raise InvalidRequestError(f"kv_transfer_params.{name}", "required when do_remote_prefill is true")
         local = validate_block_ids("local_block_ids", local_block_ids, spec.num_blocks)
         remote = validate_block_ids("kv_transfer_params.remote_block_ids", params.remote_block_ids or [], 2**62)
-        if local.size != remote.size:
-            raise InvalidRequestError("kv_transfer_params.remote_block_ids",
-                                      f"{remote.size} remote blocks for {local.size} local blocks")
-        if params.tp_size != spec.tp_size:
-            raise InvalidRequestError(
-                "kv_transfer_params.tp_size",
-                f"remote tp_size {params.tp_size} != local {spec.tp_size}; heterogeneous TP is not supported",
-            )
+        problem = tp_problem(spec.model_kv_heads, params.tp_size)
+        if problem:
+            raise InvalidRequestError("kv_transfer_params.tp_size", f"prefill {problem}")
         assert params.remote_engine_id and params.remote_host and params.remote_port and params.remote_request_id
         now = time.monotonic()
         return cls(
@@ -163,13 +181,53 @@ class Pull:
             expected_incarnation=params.remote_incarnation_id,
             requested_s=now,
             deadline_s=now + timeout_s,
+            remote_tp=params.tp_size,
+            num_tokens=params.remote_num_tokens,
         )
+
+    def part(self, source: Source, group: PullGroup) -> Pull:
+        """The pull of one source rank of a request read from several (ranks listen on base port + rank)."""
+        handle = PullHandle(f"{self.handle.request_id}@{source.rank}", self.remote_engine_id)
+        self.handle.parts.append(handle)
+        return dataclasses.replace(
+            self, handle=handle, remote_port=self.remote_port + source.rank, source=source, group=group,
+            expected_incarnation=self.expected_incarnation if source.rank == 0 else None, extra={})
 
     def finish(self, error: KVConnectError | None) -> None:
         now = time.monotonic()
         self.phase = PullPhase.FAILED if error else PullPhase.DONE
         self.handle.stats.total_s = now - self.requested_s
         self.handle._finish(error)
+
+
+class PullGroup:
+    """A request read from several prefill ranks: done when every part is, failed at the first failure."""
+
+    def __init__(self, parent: Pull, parts: int) -> None:
+        self.parent = parent
+        self.pending = parts
+        self.finished = False
+
+    def part_done(self, part: Pull, error: KVConnectError | None) -> bool:
+        """Record one part's end; True when this ends the request (the caller then reports the parent)."""
+        self.pending -= 1
+        if self.finished:
+            return False
+        if error is None and self.pending:
+            return False
+        self.finished = True
+        stats = self.parent.handle.stats
+        parts = [h.stats for h in self.parent.handle.parts]
+        stats.num_sources = len(parts)
+        for name in ("bytes", "num_descs", "num_descs_merged", "post_s", "validate_s"):
+            setattr(stats, name, sum(getattr(x, name) for x in parts))
+        for name in ("handshake_s", "transfer_s", "confirm_s", "queued_s", "scatter_s"):
+            setattr(stats, name, max(getattr(x, name) for x in parts))
+        for name in ("path", "granularity", "transport"):
+            setattr(stats, name, "+".join(sorted({getattr(x, name) for x in parts if getattr(x, name)})))
+        stats.num_blocks = len(self.parent.local_block_ids)
+        self.parent.finish(error)
+        return True
 
 
 class AbandonedReads:
@@ -218,7 +276,7 @@ class AbandonedReads:
             self._pulls.remove(item)
             self._agent.release(pull.xfer)
             pull.xfer = None
-            pull.handle._settled.set()
+            _settle(pull)
             log.info("abandoned pull %s: its READ ended (%s); %d local blocks are safe again",
                      pull.handle.request_id, state.value, len(pull.local_block_ids))
 
@@ -227,5 +285,12 @@ class AbandonedReads:
             if pull.xfer is not None:
                 self._agent.release(pull.xfer)
                 pull.xfer = None
-            pull.handle._settled.set()
+            _settle(pull)
         self._pulls.clear()
+
+
+def _settle(pull: Pull) -> None:
+    pull.handle._settled.set()
+    if pull.on_settled is not None:
+        pull.on_settled()
+        pull.on_settled = None

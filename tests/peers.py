@@ -43,6 +43,31 @@ def _prefill_main(conn: Any, spec_raw: bytes, seed: int, config_raw: dict, env: 
         conn.send("stopped")
 
 
+def reference_kv(seed: int, num_tokens: int, spec: CacheSpec) -> Any:
+    """The whole model's KV for `num_tokens` tokens, (tokens, layers, 2, model KV heads, head_dim): what every
+    rank of a TP group holds its slice of (deterministic in `seed`)."""
+    import torch
+
+    from kvconnect.cache import TORCH_DTYPES
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    shape = (num_tokens, spec.num_layers, 2, spec.model_kv_heads, spec.head_dim)
+    return torch.randn(shape, generator=gen).to(TORCH_DTYPES[spec.dtype])
+
+
+def rank_tokens(cache: Any, block_ids: list[int], num_tokens: int) -> Any:
+    """Tokens [0, n) of this rank's cache in `block_ids`, as (tokens, layers, 2, H, D) on the CPU."""
+    import torch
+
+    spec = cache.spec
+    layers = []
+    for layer in range(spec.num_layers):
+        halves = [view[block_ids].reshape(-1, spec.num_kv_heads, spec.head_dim)[:num_tokens].cpu()
+                  for view in cache.kv(layer)]
+        layers.append(torch.stack(halves, dim=1))
+    return torch.stack(layers, dim=1)
+
+
 def _serve(cmd: str, args: list, conn: Any, connector: Any, cache: Any, spec: CacheSpec, freed: list) -> bool:
     """Answer one command; True means stop."""
     import torch
@@ -69,6 +94,29 @@ def _serve(cmd: str, args: list, conn: Any, connector: Any, cache: Any, spec: Ca
     elif cmd == "kv":  # one layer's K and V of the given blocks, as CPU tensors
         k, v = cache.kv(args[0])
         conn.send((k[args[1]].cpu(), v[args[1]].cpu()))
+    elif cmd == "fill_ref":  # (seed, num_tokens, block_ids): this rank's heads of the reference, in token order
+        seed, num_tokens, ids = args
+        ref = reference_kv(seed, num_tokens, spec)
+        lo, hi = spec.head_range()
+        t = torch.arange(num_tokens)
+        blk, slot = torch.as_tensor(ids)[t // spec.block_size], t % spec.block_size
+        for layer in range(spec.num_layers):
+            for kv, view in enumerate(cache.kv(layer)):
+                view[blk, slot] = ref[:, layer, kv, lo:hi].to(view.device)
+        conn.send("ok")
+    elif cmd == "tokens":  # (block_ids, num_tokens)
+        conn.send(rank_tokens(cache, *args))
+    elif cmd == "pull":  # (kv_transfer_params as JSON, local block ids): ("ok", stats) or ("failed", class, text)
+        from kvconnect.errors import KVConnectError
+        from kvconnect.protocol import KVTransferParams
+
+        params = msgspec.json.decode(args[0], type=KVTransferParams)
+        try:
+            stats = connector.pull(params, args[1]).wait(60)
+        except KVConnectError as e:
+            conn.send(("failed", type(e).__name__, str(e)))
+        else:
+            conn.send(("ok", msgspec.to_builtins(stats)))
     elif cmd == "overwrite":
         for layer in range(spec.num_layers):
             for t in cache.kv(layer):

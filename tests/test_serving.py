@@ -103,7 +103,7 @@ def test_hand_driven_legs_use_vllm_field_names(cluster: Cluster) -> None:
     ({"remote_block_ids": [-3]}, "kv_transfer_params.remote_block_ids"),
     ({"remote_block_ids": [1, 2, 3, 4, 5, 6]}, "kv_transfer_params.remote_block_ids"),  # more than needed
     ({"remote_host": None}, "kv_transfer_params.remote_host"),
-    ({"tp_size": 2}, "kv_transfer_params.tp_size"),
+    ({"tp_size": 3}, "kv_transfer_params.tp_size"),  # 3 ranks cannot share 2 KV heads
 ])
 def test_malformed_kv_transfer_params_get_400_naming_the_field(cluster: Cluster, patch: dict, field: str) -> None:
     params = {"do_remote_prefill": True, "remote_engine_id": "demo-prefill", "remote_block_ids": [1],

@@ -1,0 +1,118 @@
+"""Heterogeneous TP over real NIXL: P prefill ranks and D decode ranks, each its own process.
+
+Every prefill rank holds its head slice of one reference KV (scattered blocks); every decode rank pulls and
+must hold exactly the reference tokens of its own heads; every prefill rank's lease ends (read, or released
+when it holds a copy nobody reads) and its blocks go back.
+"""
+
+from __future__ import annotations
+
+import socket
+from contextlib import ExitStack
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from kvconnect.layout import CacheSpec, LayoutKind
+from tests.faultkit import poll_until
+from tests.peers import PrefillProc, reference_kv
+
+LAYERS, HEAD_DIM, TOKENS, SEED = 3, 8, 150, 11
+
+
+def free_port_run(count: int) -> int:
+    """A base port with `count` consecutive ports free on 127.0.0.1 (ranks listen on base + rank)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + count >= 65536:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def spec(kind: LayoutKind, tp: int, rank: int, heads: int, block: int, layout: str, blocks: int) -> CacheSpec:
+    return CacheSpec(kind=kind, dtype="bfloat16", num_layers=LAYERS, num_blocks=blocks, block_size=block,
+                     num_kv_heads=max(heads // tp, 1), head_dim=HEAD_DIM, tp_size=tp, tp_rank=rank,
+                     token_layout=layout, total_kv_heads=heads)
+
+
+CASES = {
+    # name: (model heads, prefill (tp, kind, block, layout), decode (tp, kind, block, layout), paths expected)
+    "2to1_nhd16_to_hnd64_staging": (4, (2, LayoutKind.CROSS_LAYER, 16, "NHD"),
+                                    (1, LayoutKind.BLOCKS_FIRST, 64, "HND"), {"staging"}),
+    "1to2_hnd_direct_two_readers": (4, (1, LayoutKind.KV_FIRST, 16, "HND"),
+                                    (2, LayoutKind.CROSS_LAYER, 16, "HND"), {"direct"}),
+    "2to1_replicated_head": (1, (2, LayoutKind.BLOCKS_FIRST, 64, "NHD"),
+                             (1, LayoutKind.CROSS_LAYER, 16, "NHD"), {"direct"}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tp_groups_pull_byte_exact_and_free_every_lease(case: str) -> None:
+    heads, (tp_p, kind_p, bs_p, lay_p), (tp_d, kind_d, bs_d, lay_d), paths = CASES[case]
+    rng = np.random.default_rng(5)
+    nb_p, nb_d = -(-TOKENS // bs_p), -(-TOKENS // bs_d)
+    p_ids = rng.permutation(nb_p + 4)[:nb_p].tolist()
+    d_ids = rng.permutation(nb_d + 4)[:nb_d].tolist()
+    base = free_port_run(tp_p)
+    with ExitStack() as stack:
+        prefill = []
+        for r in range(tp_p):
+            proc = PrefillProc.start(spec(kind_p, tp_p, r, heads, bs_p, lay_p, nb_p + 4), side_channel_port=base + r,
+                                     engine_id="pfx", staging_mb=1)
+            stack.callback(proc.stop)
+            proc.ask("fill_ref", SEED, TOKENS, p_ids)
+            prefill.append(proc)
+        decode = []
+        for d in range(tp_d):
+            proc = PrefillProc.start(spec(kind_d, tp_d, d, heads, bs_d, lay_d, nb_d + 4), engine_id=f"dec{d}",
+                                     staging_mb=1)
+            stack.callback(proc.stop)
+            decode.append(proc)
+        params = [proc.lease("req-1", p_ids) for proc in prefill]
+        assert {x.remote_port for x in params} == {base}  # every rank names the group's base port
+        wire = msgspec.json.encode(msgspec.structs.replace(params[0], remote_num_tokens=TOKENS))
+        for proc in decode:
+            proc.conn.send(("pull", wire, d_ids))  # all decode ranks pull at once
+        results = [proc.conn.recv() for proc in decode]
+        for d, res in enumerate(results):
+            assert res[0] == "ok", f"decode rank {d}: {res}"
+            assert set(res[1]["path"].split("+")) == paths
+        ref = reference_kv(SEED, TOKENS, spec(kind_p, 1, 0, heads, bs_p, lay_p, 1))
+        for d, proc in enumerate(decode):
+            lo, hi = spec(kind_d, tp_d, d, heads, bs_d, lay_d, 1).head_range()
+            got = proc.ask("tokens", d_ids, TOKENS)
+            assert torch.equal(got.view(torch.uint8), ref[:, :, :, lo:hi].contiguous().view(torch.uint8)), d
+        for proc in prefill:
+            poll_until(lambda proc=proc: proc.ask("held") == 0, what="prefill lease ended")
+            assert proc.ask("state", "req-1") in ("completed", "released")
+            assert proc.ask("freed") == sorted(p_ids)
+
+
+def test_tp_size_that_cannot_split_the_heads_is_refused_naming_it() -> None:
+    with ExitStack() as stack:
+        proc = PrefillProc.start(spec(LayoutKind.CROSS_LAYER, 1, 0, 4, 16, "NHD", 8), engine_id="dec")
+        stack.callback(proc.stop)
+        params = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_block_ids": [1],
+                  "remote_host": "127.0.0.1", "remote_port": 5999, "remote_request_id": "x", "tp_size": 3}
+        proc.conn.send(("pull", msgspec.json.encode(params), [0]))
+        assert proc.conn.poll(30)
+        answer = proc.conn.recv()
+        assert answer[:2] == ("failed", "InvalidRequestError")
+        assert "kv_transfer_params.tp_size" in answer[2] and "tp_size 3 does not divide the model's 4 KV heads" in \
+            answer[2]
