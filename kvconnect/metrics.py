@@ -60,6 +60,11 @@ class WorkerMetrics:
                                    registry=r, buckets=_TIME_BUCKETS)
         self.bytes = Histogram("kvconnect_nixl_bytes_transferred", "bytes per pull", registry=r,
                                buckets=_BYTE_BUCKETS)
+        self.paths = Counter("kvconnect_pulls_by_path", "completed pulls by plan path (block, direct, staging; "
+                             "'+'-joined when a request read several prefill ranks) and source count",
+                             ["path", "sources"], registry=r)
+        self.scatter_time = Histogram("kvconnect_staging_scatter_seconds", "staging path: staging -> decode cache",
+                                      registry=r, buckets=_TIME_BUCKETS)
         self.descs = Histogram("kvconnect_nixl_num_descriptors", "descriptors per pull after run merging",
                                registry=r, buckets=_DESC_BUCKETS)
         self.failed = Counter("kvconnect_nixl_num_failed_transfers", "failed pulls by error class",
@@ -100,6 +105,9 @@ class WorkerMetrics:
         self.pull_time.observe(stats.total_s)
         self.bytes.observe(stats.bytes)
         self.descs.observe(stats.num_descs_merged)
+        self.paths.labels(stats.path or "block", str(stats.num_sources)).inc()
+        if "staging" in stats.path:
+            self.scatter_time.observe(stats.scatter_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -8,6 +8,7 @@ when it holds a copy nobody reads) and its blocks go back.
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from contextlib import ExitStack
 
 import msgspec
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvconnect.hetero import plan_sources
 from kvconnect.layout import CacheSpec, LayoutKind
 from tests.faultkit import poll_until
 from tests.peers import PrefillProc, reference_kv
@@ -45,10 +47,11 @@ def free_port_run(count: int) -> int:
     raise RuntimeError(f"no {count} consecutive free ports")
 
 
-def spec(kind: LayoutKind, tp: int, rank: int, heads: int, block: int, layout: str, blocks: int) -> CacheSpec:
+def spec(kind: LayoutKind, tp: int, rank: int, heads: int, block: int, layout: str, blocks: int,
+         device: str = "cpu") -> CacheSpec:
     return CacheSpec(kind=kind, dtype="bfloat16", num_layers=LAYERS, num_blocks=blocks, block_size=block,
                      num_kv_heads=max(heads // tp, 1), head_dim=HEAD_DIM, tp_size=tp, tp_rank=rank,
-                     token_layout=layout, total_kv_heads=heads)
+                     token_layout=layout, total_kv_heads=heads, device=device.split(":")[0])
 
 
 CASES = {
@@ -64,6 +67,11 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_tp_groups_pull_byte_exact_and_free_every_lease(case: str) -> None:
+    run_group(case, lambda side, rank: "cpu")
+
+
+def run_group(case: str, device_of: Callable[[str, int], str]) -> list[dict]:
+    """Run one CASES entry with ranks on `device_of("prefill"|"decode", rank)`; returns the decode stats."""
     heads, (tp_p, kind_p, bs_p, lay_p), (tp_d, kind_d, bs_d, lay_d), paths = CASES[case]
     rng = np.random.default_rng(5)
     nb_p, nb_d = -(-TOKENS // bs_p), -(-TOKENS // bs_d)
@@ -73,15 +81,17 @@ def test_tp_groups_pull_byte_exact_and_free_every_lease(case: str) -> None:
     with ExitStack() as stack:
         prefill = []
         for r in range(tp_p):
-            proc = PrefillProc.start(spec(kind_p, tp_p, r, heads, bs_p, lay_p, nb_p + 4), side_channel_port=base + r,
-                                     engine_id="pfx", staging_mb=1)
+            dev = device_of("prefill", r)
+            proc = PrefillProc.start(spec(kind_p, tp_p, r, heads, bs_p, lay_p, nb_p + 4, dev), device=dev,
+                                     side_channel_port=base + r, engine_id="pfx", staging_mb=1)
             stack.callback(proc.stop)
             proc.ask("fill_ref", SEED, TOKENS, p_ids)
             prefill.append(proc)
         decode = []
         for d in range(tp_d):
-            proc = PrefillProc.start(spec(kind_d, tp_d, d, heads, bs_d, lay_d, nb_d + 4), engine_id=f"dec{d}",
-                                     staging_mb=1)
+            dev = device_of("decode", d)
+            proc = PrefillProc.start(spec(kind_d, tp_d, d, heads, bs_d, lay_d, nb_d + 4, dev), device=dev,
+                                     engine_id=f"dec{d}", staging_mb=1)
             stack.callback(proc.stop)
             decode.append(proc)
         params = [proc.lease("req-1", p_ids) for proc in prefill]
@@ -93,6 +103,7 @@ def test_tp_groups_pull_byte_exact_and_free_every_lease(case: str) -> None:
         for d, res in enumerate(results):
             assert res[0] == "ok", f"decode rank {d}: {res}"
             assert set(res[1]["path"].split("+")) == paths
+            assert res[1]["num_sources"] == len(plan_sources(spec(kind_d, tp_d, d, heads, bs_d, lay_d, 1), tp_p).reads)
         ref = reference_kv(SEED, TOKENS, spec(kind_p, 1, 0, heads, bs_p, lay_p, 1))
         for d, proc in enumerate(decode):
             lo, hi = spec(kind_d, tp_d, d, heads, bs_d, lay_d, 1).head_range()
@@ -102,6 +113,7 @@ def test_tp_groups_pull_byte_exact_and_free_every_lease(case: str) -> None:
             poll_until(lambda proc=proc: proc.ask("held") == 0, what="prefill lease ended")
             assert proc.ask("state", "req-1") in ("completed", "released")
             assert proc.ask("freed") == sorted(p_ids)
+    return [res[1] for res in results]
 
 
 def test_tp_size_that_cannot_split_the_heads_is_refused_naming_it() -> None:
@@ -116,3 +128,14 @@ def test_tp_size_that_cannot_split_the_heads_is_refused_naming_it() -> None:
         assert answer[:2] == ("failed", "InvalidRequestError")
         assert "kv_transfer_params.tp_size" in answer[2] and "tp_size 3 does not divide the model's 4 KV heads" in \
             answer[2]
+
+
+def test_pull_paths_reach_the_metrics() -> None:
+    from kvconnect.metrics import WorkerMetrics
+    from kvconnect.transfer import PullStats
+
+    metrics = WorkerMetrics()
+    metrics.on_pull_done(PullStats("r", "p", path="staging", num_sources=2, scatter_s=0.002), None)
+    text = metrics.render().decode()
+    assert 'kvconnect_pulls_by_path_total{path="staging",sources="2"} 1.0' in text
+    assert "kvconnect_staging_scatter_seconds_count 1.0" in text
