@@ -139,3 +139,24 @@ def test_pull_paths_reach_the_metrics() -> None:
     text = metrics.render().decode()
     assert 'kvconnect_pulls_by_path_total{path="staging",sources="2"} 1.0' in text
     assert "kvconnect_staging_scatter_seconds_count 1.0" in text
+
+
+def test_pair_needing_staging_is_refused_at_handshake_when_staging_is_off() -> None:
+    from kvconnect.cache import KVCache
+    from kvconnect.config import connector_config
+    from kvconnect.connector import KVConnector
+    from kvconnect.errors import LayoutMismatchError
+
+    with ExitStack() as stack:
+        pre = PrefillProc.start(spec(LayoutKind.CROSS_LAYER, 1, 0, 4, 16, "NHD", 8))
+        stack.callback(pre.stop)
+        dec = KVConnector(KVCache.allocate(spec(LayoutKind.CROSS_LAYER, 1, 0, 4, 16, "HND", 8)),
+                          connector_config({}, side_channel_host="127.0.0.1", staging_mb=0))
+        stack.callback(dec.close)
+        params = pre.lease("r", [1, 2])
+        with pytest.raises(LayoutMismatchError, match=r"NHD->HND needs the staging path .* staging is disabled"):
+            dec.pull(params, [0, 1]).wait(30)
+        assert pre.ask("state", "r") == "held"
+        dec.release_remote(params)  # what the serving layer does after a failed pull: the blocks go back now
+        poll_until(lambda: pre.ask("state", "r") == "released", what="lease released")
+        assert pre.ask("freed") == [1, 2]
