@@ -12,6 +12,12 @@ so each case reports its own first-contact cost. See `bench_pull.py` for the two
         --json results/cpu/x.json --plot results/cpu/x.png
     kvconnect bench --prefill-device cuda:0 --decode-device cuda:1 --tokens 256,1024,4096 \\
         --ucx UCX_CUDA_IPC_MAX_STREAMS=4
+    kvconnect bench --tokens 1024 --tp 1:2,2:1 --token-layouts NHD:NHD,HND:HND --decode-block-size 64 \\
+        --hetero-path auto,direct,staging
+
+Heterogeneous pairs (`--tp`, `--token-layouts`, `--decode-block-size`, `--hetero-path`): the benchmark
+process is decode rank 0 of the decode TP group and reads every prefill rank it needs, one process per
+rank; rates then count decode rank 0's useful bytes, and the staging path's scatter is part of the time.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ import numpy as np
 
 from kvconnect.bench_report import SCHEMA, BenchOptions, BenchReport, Geometry
 from kvconnect.errors import ConfigError, KVConnectError
-from kvconnect.layout import DTYPE_BYTES, LayoutKind
+from kvconnect.hetero import PATHS as HETERO_PATHS
+from kvconnect.layout import DTYPE_BYTES, TOKEN_LAYOUTS, LayoutKind, tp_problem
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +141,48 @@ def parse_transports(text: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def parse_tp_pairs(text: str) -> list[tuple[int, int]]:
+    """`P:D[,...]` prefill:decode TP sizes; a bare `N` means N on both sides."""
+    out: list[tuple[int, int]] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        sides = part.split(":")
+        sides = sides * 2 if len(sides) == 1 else sides
+        try:
+            sizes = [_positive_int(side) for side in sides]
+        except argparse.ArgumentTypeError:
+            sizes = []
+        if len(sides) != 2 or len(sizes) != 2:
+            raise argparse.ArgumentTypeError(f"bad TP pair {part!r}: expected PREFILL:DECODE TP sizes, e.g. 2:1")
+        out.append((sizes[0], sizes[1]))
+    if not out:
+        raise argparse.ArgumentTypeError("no TP pairs given")
+    return list(dict.fromkeys(out))
+
+
+def parse_token_layouts(text: str) -> list[tuple[str, str]]:
+    """`P:D[,...]` prefill:decode token layouts inside a block (NHD, HND); a bare one means both sides."""
+    out: list[tuple[str, str]] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        sides = [side.upper() for side in part.split(":")]
+        sides = sides * 2 if len(sides) == 1 else sides
+        if len(sides) != 2 or any(side not in TOKEN_LAYOUTS for side in sides):
+            raise argparse.ArgumentTypeError(
+                f"bad token layout pair {part!r}: expected PREFILL:DECODE from {', '.join(TOKEN_LAYOUTS)}")
+        out.append((sides[0], sides[1]))
+    if not out:
+        raise argparse.ArgumentTypeError("no token layouts given")
+    return list(dict.fromkeys(out))
+
+
+def parse_hetero_paths(text: str) -> list[str]:
+    out = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in out if p not in HETERO_PATHS]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(
+            f"bad hetero path {','.join(bad) or text!r}: expected {', '.join(HETERO_PATHS)}")
+    return list(dict.fromkeys(out))
+
+
 def parse_ucx(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not _ENV_NAME.match(key):
@@ -163,10 +212,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", choices=sorted(PRESETS), default=None,
                    help="geometry preset (default llama-3-8b unless all three of the flags below are given)")
     g.add_argument("--num-layers", type=_positive_int)
-    g.add_argument("--num-kv-heads", type=_positive_int)
+    g.add_argument("--num-kv-heads", type=_positive_int,
+                   help="the model's KV heads (each TP rank holds heads/tp, or one copy when tp > heads)")
     g.add_argument("--head-dim", type=_positive_int)
     g.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16")
-    g.add_argument("--block-size", type=_positive_int, default=16, help="tokens per paged block")
+    g.add_argument("--block-size", type=_positive_int, default=16, help="tokens per paged block (prefill side)")
+    h = parser.add_argument_group("heterogeneous pairs (the bench is decode rank 0, reading each prefill rank it "
+                                  "needs from its own process)")
+    h.add_argument("--tp", type=parse_tp_pairs, default=None, metavar="P:D[,P:D...]",
+                   help="prefill:decode tensor-parallel sizes, comma-separated to compare (default 1:1)")
+    h.add_argument("--decode-block-size", type=_positive_int, default=None,
+                   help="tokens per block on the decode side (default: --block-size)")
+    h.add_argument("--token-layouts", type=parse_token_layouts, default=None, metavar="P:D[,P:D...]",
+                   help="prefill:decode token layout inside a block, NHD or HND (default NHD:NHD)")
+    h.add_argument("--hetero-path", type=parse_hetero_paths, default=None, metavar="PATH[,PATH...]",
+                   help="decode side's hetero_path: auto (default), direct, staging; comma-separated to compare "
+                        "(pairs where the choice changes nothing run once); staging is sized per case")
     w = parser.add_argument_group("workload")
     w.add_argument("--tokens", type=parse_tokens, default=None, nargs="+",
                    help="request length(s) (default 4096): 4096, 256,1024 or 256..4096 (doubling); "
@@ -216,7 +277,17 @@ def geometry_from_args(args: argparse.Namespace) -> Geometry:
         model += " (" + ", ".join(f"{k}={v}" for k, v in given.items()) + ")"
     return Geometry(model=model, num_layers=given.get("num_layers", layers),
                     num_kv_heads=given.get("num_kv_heads", heads), head_dim=given.get("head_dim", dim),
-                    dtype=args.dtype, block_size=args.block_size)
+                    dtype=args.dtype, block_size=args.block_size,
+                    decode_block_size=0 if args.decode_block_size in (None, args.block_size) else
+                    args.decode_block_size)
+
+
+def check_tp_pairs(pairs: list[tuple[int, int]], model_kv_heads: int) -> None:
+    """ConfigError naming each TP size that cannot split the model's KV heads."""
+    problems = [f"{side} {problem}" for pair in pairs for side, tp in zip(("prefill", "decode"), pair, strict=True)
+                if (problem := tp_problem(model_kv_heads, tp))]
+    if problems:
+        raise ConfigError("--tp: " + "; ".join(dict.fromkeys(problems)))
 
 
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
@@ -233,8 +304,11 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         for dev in (args.prefill_device, args.decode_device):
             if dev.startswith("cuda") and int(dev.split(":")[1]) >= count:
                 raise ConfigError(f"device {dev} does not exist (torch sees {count} CUDA devices)")
+    geometry = geometry_from_args(args)
+    tp_pairs = args.tp or [(1, 1)]
+    check_tp_pairs(tp_pairs, geometry.num_kv_heads)
     return BenchOptions(
-        geometry=geometry_from_args(args),
+        geometry=geometry,
         tokens=list(dict.fromkeys(flat)),
         layout_pairs=args.layouts or SAME_PAIRS,
         patterns=args.pattern or ["scattered"],
@@ -250,6 +324,9 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         confirm=args.confirm,
         pull_timeout_s=args.pull_timeout,
         progress=args.progress,
+        tp_pairs=tp_pairs,
+        token_layouts=args.token_layouts or [("NHD", "NHD")],
+        hetero_paths=args.hetero_path or ["auto"],
     )
 
 
@@ -330,7 +407,7 @@ def run_bench(opts: BenchOptions, command: list[str] | None = None) -> BenchRepo
     import torch
     from tqdm import tqdm
 
-    from kvconnect.bench_pull import CaseKey, PrefillPeer, measure_case
+    from kvconnect.bench_pull import PrefillGroup, measure_case, plan_cases
     from kvconnect.config import ConnectorConfig
 
     if opts.decode_device.startswith("cuda"):
@@ -341,23 +418,24 @@ def run_bench(opts: BenchOptions, command: list[str] | None = None) -> BenchRepo
                                  pull_timeout_s=opts.pull_timeout_s,
                                  lease_ttl_s=max(60.0, 2 * opts.pull_timeout_s))
     prefill_cfg = msgspec.structs.replace(decode_cfg, engine_id="bench-prefill", transport=exporting)
-    cases = [CaseKey(pair[0], pair[1], pattern, tokens, transport) for pattern in opts.patterns
-             for tokens in opts.tokens for transport in opts.transports for pair in opts.layout_pairs]
+    check_tp_pairs(opts.tp_pairs, opts.geometry.num_kv_heads)
+    cases = plan_cases(opts)
     report = BenchReport(SCHEMA, command or [], opts, transport_env(), system_info(opts))
     pulls_per_case = 1 + opts.warmup + opts.reps
     bar = tqdm(total=len(cases) * pulls_per_case, unit="pull", file=sys.stderr, dynamic_ncols=True,
                disable=(not sys.stderr.isatty()) if opts.progress is None else not opts.progress)
-    peer = PrefillPeer.start(transport_env(), opts.prefill_device, prefill_cfg)
+    group = PrefillGroup(transport_env(), opts.prefill_device, prefill_cfg)
     try:
+        group.take(1)
         for index, key in enumerate(cases):
             bar.set_postfix_str(key.label)
-            case = measure_case(peer, opts, index, key, decode_cfg, lambda: bar.update(1))
+            case = measure_case(group, opts, index, key, decode_cfg, lambda: bar.update(1))
             report.cases.append(case)
-            log.info("%s: %.2f GB/s (%.0f%% of %.2f), %d descs -> %d", key.label, case.gbps_median,
-                     case.pct_of_ceiling, case.ceiling.gbps_median, case.num_descs, case.num_descs_merged)
+            log.info("%s: %.2f GB/s (%.0f%% of %.2f), %d descs -> %d, path %s", key.label, case.gbps_median,
+                     case.pct_of_ceiling, case.ceiling.gbps_median, case.num_descs, case.num_descs_merged, case.path)
     finally:
         bar.close()
-        peer.stop()
+        group.stop()
     return report
 
 

@@ -1,36 +1,42 @@
-"""The two sides of `kvconnect bench`: a prefill peer in its own process, and the decode-side
+"""The two sides of `kvconnect bench`: prefill peers in their own processes, and the decode-side
 measurement of one case in this one.
 
-The prefill process owns one `KVConnector` (its own NIXL agent and ZMQ side channel) over a cache
-filled from a seed; it is driven over a pipe: `setup` (a fresh cache and connector per case), `lease`,
-`settle` (wait until a lease ended) and `stop`. The decode side builds a fresh connector per case too,
-so every case pays, and reports, its own first contact. It verifies every pulled request against a
-shadow of the remote cache built from the same seed, and measures the copy ceiling for the same bytes.
+Each prefill process owns one `KVConnector` (its own NIXL agent and ZMQ side channel) over a cache filled
+from a seed; it is driven over a pipe: `setup` (a fresh cache and connector per case, on a given side
+channel port), `lease`, `settle` (wait until a lease ended), `release` and `stop`. A case with a prefill TP
+group runs one process per prefill rank that decode rank 0 involves (ranks it reads, and copies of heads
+nobody reads, which it releases); the ranks share the engine id and listen on consecutive ports. The decode
+side (decode rank 0 of its group) builds a fresh connector per case too, so every case pays, and reports,
+its own first contact. It verifies every pulled request against shadows of the prefill ranks' caches built
+from the same seeds, and measures the copy ceiling for the same (useful) bytes.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing as mp
 import os
+import socket
 import time
 import zlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
 import numpy as np
 import torch
 
-from kvconnect.bench_report import BenchOptions, CaseResult, Ceiling, RepResult, summarize_case
+from kvconnect.bench_report import BenchOptions, CaseResult, Ceiling, Geometry, HeteroFields, RepResult, summarize_case
 from kvconnect.cache import KVCache
 from kvconnect.config import ConnectorConfig
 from kvconnect.connector import KVConnector
 from kvconnect.errors import KVConnectError, TransferError
+from kvconnect.hetero import Source, Sources, plan_source, plan_sources
 from kvconnect.layout import CacheSpec, LayoutKind
 from kvconnect.protocol import KVTransferParams
-from kvconnect.transfer import PullStats
+from kvconnect.transfer import PullHandle, PullStats
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +51,49 @@ def _sync(device: str) -> None:
 # --- prefill process -----------------------------------------------------------------------------
 
 
+class _PrefillServer:
+    """The prefill process's state: one cache and connector at a time, replaced by each `setup`."""
+
+    def __init__(self, device: str, config: ConnectorConfig) -> None:
+        self.device = device
+        self.config = config
+        self.connector: KVConnector | None = None
+        self.cache: KVCache | None = None
+
+    def handle(self, cmd: str, args: list[Any]) -> Any:
+        if cmd == "setup":
+            return self.setup(*args)
+        if self.connector is None:
+            raise KVConnectError(f"{cmd!r} before setup")
+        if cmd == "lease":  # (request id, block ids, num_tokens)
+            return msgspec.json.encode(self.connector.lease(*args))
+        if cmd == "settle":
+            return _settle(self.connector, args[0], args[1])
+        if cmd == "release":  # end the lease if still held: (its final state, blocks this rank still leases)
+            return str(self.connector.release(args[0]).value), self.connector.leases.num_blocks_held
+        raise KVConnectError(f"unknown command {cmd!r}")
+
+    def setup(self, spec_raw: bytes, seed: int, port: int) -> int:
+        self.close()  # release NIXL's hold, then the old cache's memory
+        spec = msgspec.msgpack.decode(spec_raw, type=CacheSpec)
+        self.cache = KVCache.allocate(spec, self.device)
+        self.cache.fill_pattern(seed)
+        _sync(self.device)
+        self.connector = KVConnector(self.cache, msgspec.structs.replace(self.config, side_channel_port=port))
+        return self.connector.side_channel_port
+
+    def close(self) -> None:
+        if self.connector is not None:
+            self.connector.close()
+        self.connector = self.cache = None
+
+
 def _prefill_main(pipe: Any, env: dict[str, str], device: str, config: ConnectorConfig) -> None:
     """Entry point of the spawned prefill process: serve commands until `stop` or a closed pipe."""
     os.environ.update(env)  # before anything loads NIXL/UCX
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    connector: KVConnector | None = None
-    cache: KVCache | None = None
+    server = _PrefillServer(device, config)
     pipe.send(("ok", os.getpid()))
     try:
         while True:
@@ -62,29 +104,11 @@ def _prefill_main(pipe: Any, env: dict[str, str], device: str, config: Connector
             if cmd == "stop":
                 break
             try:
-                if cmd == "setup":
-                    if connector is not None:  # release NIXL's hold, then the old cache's memory
-                        connector.close()
-                        connector = cache = None
-                    spec = msgspec.msgpack.decode(args[0], type=CacheSpec)
-                    cache = KVCache.allocate(spec, device)
-                    cache.fill_pattern(args[1])
-                    _sync(device)
-                    connector = KVConnector(cache, config)
-                    pipe.send(("ok", connector.side_channel_port))
-                elif connector is None:
-                    raise KVConnectError(f"{cmd!r} before setup")
-                elif cmd == "lease":
-                    pipe.send(("ok", msgspec.json.encode(connector.lease(args[0], args[1]))))
-                elif cmd == "settle":
-                    pipe.send(("ok", _settle(connector, args[0], args[1])))
-                else:
-                    raise KVConnectError(f"unknown command {cmd!r}")
+                pipe.send(("ok", server.handle(cmd, args)))
             except Exception as e:  # report to the driver instead of dying
                 pipe.send(("error", f"{type(e).__name__}: {e}"))
     finally:
-        if connector is not None:
-            connector.close()
+        server.close()
 
 
 def _settle(connector: KVConnector, request_id: str, timeout_s: float) -> str:
@@ -99,23 +123,25 @@ def _settle(connector: KVConnector, request_id: str, timeout_s: float) -> str:
 
 @dataclass
 class PrefillPeer:
-    """The driver's handle on the prefill process."""
+    """The driver's handle on one prefill process."""
 
     proc: Any
     pipe: Any
     port: int = 0
 
     @classmethod
-    def start(cls, env: dict[str, str], device: str, config: ConnectorConfig) -> PrefillPeer:
+    def launch(cls, env: dict[str, str], device: str, config: ConnectorConfig) -> PrefillPeer:
+        """Spawn the process; `wait_started` for its answer (launch several first to start them together)."""
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_prefill_main, args=(child, env, device, config), daemon=True,
                            name="kvconnect-bench-prefill")
         proc.start()
         child.close()
-        peer = cls(proc, parent)
-        peer._answer("start", _START_TIMEOUT_S)
-        return peer
+        return cls(proc, parent)
+
+    def wait_started(self) -> None:
+        self._answer("start", _START_TIMEOUT_S)
 
     def _answer(self, what: str, timeout_s: float) -> Any:
         if not self.pipe.poll(timeout_s):
@@ -133,18 +159,24 @@ class PrefillPeer:
         self.pipe.send(cmd)
         return self._answer(cmd[0], timeout_s)
 
-    def setup(self, spec: CacheSpec, seed: int) -> None:
-        """Send a new cache spec; call `wait_setup` for the answer (fill the shadow meanwhile)."""
-        self.pipe.send(("setup", msgspec.msgpack.encode(spec), seed))
+    def setup(self, spec: CacheSpec, seed: int, port: int = 0) -> None:
+        """Send a new cache spec (side channel on `port`, 0 = any); call `wait_setup` for the answer (fill
+        the shadow meanwhile)."""
+        self.pipe.send(("setup", msgspec.msgpack.encode(spec), seed, port))
 
     def wait_setup(self) -> None:
         self.port = int(self._answer("setup", _START_TIMEOUT_S))
 
-    def lease(self, request_id: str, block_ids: list[int]) -> KVTransferParams:
-        return msgspec.json.decode(self.ask("lease", request_id, block_ids), type=KVTransferParams)
+    def lease(self, request_id: str, block_ids: list[int], num_tokens: int | None = None) -> KVTransferParams:
+        return msgspec.json.decode(self.ask("lease", request_id, block_ids, num_tokens), type=KVTransferParams)
 
     def settle(self, request_id: str, timeout_s: float) -> str:
         return str(self.ask("settle", request_id, timeout_s, timeout_s=timeout_s + 10))
+
+    def release(self, request_id: str) -> tuple[str, int]:
+        """Release the lease if it is still held: (its final state, blocks this rank still leases)."""
+        state, held = self.ask("release", request_id)
+        return str(state), int(held)
 
     def stop(self) -> None:
         if self.proc.is_alive():
@@ -158,6 +190,48 @@ class PrefillPeer:
             self.proc.kill()
             self.proc.join(5)
         self.pipe.close()
+
+
+class PrefillGroup:
+    """The prefill processes of a run, started as cases need them: a case with k prefill ranks uses the
+    first k (same engine id, so a TP group's ranks are one engine to the decode side)."""
+
+    def __init__(self, env: dict[str, str], device: str, config: ConnectorConfig) -> None:
+        self.env, self.device, self.config = env, device, config
+        self.peers: list[PrefillPeer] = []
+
+    def take(self, count: int) -> list[PrefillPeer]:
+        new = [PrefillPeer.launch(self.env, self.device, self.config) for _ in range(count - len(self.peers))]
+        self.peers += new  # (stopped by `stop` even if one fails to start)
+        for peer in new:
+            peer.wait_started()
+        return self.peers[:count]
+
+    def stop(self) -> None:
+        for peer in self.peers:
+            peer.stop()
+
+
+def free_port_run(count: int, host: str = "127.0.0.1") -> int:
+    """A base port with `count` consecutive ports free on `host` (TP rank r listens on base + r)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            base = probe.getsockname()[1]
+        if base + count > 65536:
+            continue
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                socks.append(socket.socket())
+                socks[-1].bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise KVConnectError(f"no {count} consecutive free ports on {host}")
 
 
 # --- block ids -----------------------------------------------------------------------------------
@@ -193,6 +267,108 @@ def pattern_rng(seed: int, pattern: str, tokens: int, rep: int) -> np.random.Gen
     return np.random.default_rng([seed, zlib.crc32(pattern.encode()), tokens, rep + 1])
 
 
+# --- cases --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CaseKey:
+    """What distinguishes one case from another (block sizes are the run's, in its geometry)."""
+
+    prefill_layout: str
+    decode_layout: str
+    pattern: str
+    tokens: int
+    transport: str
+    tp: tuple[int, int] = (1, 1)  # (prefill, decode) TP sizes
+    token_layouts: tuple[str, str] = ("NHD", "NHD")  # (prefill, decode)
+    hetero_path: str = "auto"  # ConnectorConfig.hetero_path of the decode side
+
+    @property
+    def label(self) -> str:
+        pair = f"{self.prefill_layout}:{self.decode_layout}"
+        if (self.tp, self.token_layouts, self.hetero_path) != ((1, 1), ("NHD", "NHD"), "auto"):
+            pair += (f" tp {self.tp[0]}:{self.tp[1]} {':'.join(self.token_layouts)} path {self.hetero_path}")
+        return f"{pair} {self.tokens} tokens {self.pattern} via {self.transport}"
+
+
+@dataclass(frozen=True)
+class CaseShape:
+    """Every cache of one case: decode rank 0's, each prefill rank's it involves, and what it reads."""
+
+    decode: CacheSpec  # rank 0 of the decode TP group: the one this process measures
+    prefill: dict[int, CacheSpec]  # by rank: the ranks decode rank 0 reads, and copies nobody reads (released)
+    sources: Sources
+    tokens: int
+    plain: bool  # TP 1:1, same block size and token layout: whole blocks, verified block for block
+
+    @property
+    def reads(self) -> tuple[Source, ...]:
+        return self.sources.reads
+
+    @property
+    def num_blocks(self) -> tuple[int, int]:
+        """The request's blocks on the prefill side and on the decode side."""
+        return -(-self.tokens // self.prefill[0].block_size), -(-self.tokens // self.decode.block_size)
+
+    @property
+    def useful_bytes(self) -> int:
+        """Decode rank 0's share: its KV heads of tokens [0, n) (whole blocks for a plain case)."""
+        d = self.decode
+        if self.plain:
+            return self.num_blocks[1] * d.block_bytes
+        return self.tokens * d.num_layers * 2 * d.num_kv_heads * d.head_dim * d.itemsize
+
+    @property
+    def staging_mb(self) -> int:
+        """Staging space (per source: the decode side keeps one staging cache per remote shape) that holds a
+        request's remote blocks."""
+        return max(1, -(-self.num_blocks[0] * self.prefill[0].block_bytes // 2**20))
+
+    def paths(self, hetero_path: str) -> tuple[str, ...]:
+        """The path each source takes: hetero.plan_source, as the decode side chooses it at handshake."""
+        blocks = self.staging_mb * 2**20 // self.prefill[0].block_bytes
+        return tuple(plan_source(self.decode, self.prefill[s.rank], s, hetero_path, blocks).path.value
+                     for s in self.reads)
+
+
+def case_shape(geo: Geometry, key: CaseKey, cache_factor: float, prefill_device: str = "cpu",
+               decode_device: str = "cpu") -> CaseShape:
+    """The specs of a case; the model's KV heads (`geo.num_kv_heads`) split over each side's TP group."""
+    (tp_p, tp_d), (order_p, order_d) = key.tp, key.token_layouts
+    bs_p, bs_d = geo.block_size, geo.decode_block
+
+    def spec(kind: str, tp: int, rank: int, block: int, order: str, device: str) -> CacheSpec:
+        blocks = cache_blocks_for(key.pattern, -(-key.tokens // block), cache_factor)
+        return CacheSpec(kind=LayoutKind(kind), dtype=geo.dtype, num_layers=geo.num_layers, num_blocks=blocks,
+                         block_size=block, num_kv_heads=max(geo.num_kv_heads // tp, 1), head_dim=geo.head_dim,
+                         device=device.split(":")[0], tp_size=tp, tp_rank=rank, token_layout=order,
+                         total_kv_heads=geo.num_kv_heads)
+
+    decode = spec(key.decode_layout, tp_d, 0, bs_d, order_d, decode_device)
+    sources = plan_sources(decode, tp_p)
+    ranks = sorted({s.rank for s in sources.reads} | set(sources.release_only))
+    prefill = {r: spec(key.prefill_layout, tp_p, r, bs_p, order_p, prefill_device) for r in ranks}
+    plain = key.tp == (1, 1) and order_p == order_d and bs_p == bs_d
+    return CaseShape(decode, prefill, sources, key.tokens, plain)
+
+
+def plan_cases(opts: BenchOptions) -> list[CaseKey]:
+    """Every case of a run, in order. A case whose sources would take the same paths as an earlier one that
+    differs only in hetero_path (every path of a pair with equal blocks; a forced path `auto` picks anyway)
+    runs once, under the first hetero_path asked."""
+    seen: set[tuple[CaseKey, tuple[str, ...]]] = set()
+    out = []
+    for pattern, tokens, transport, tp, orders, path, pair in itertools.product(
+            opts.patterns, opts.tokens, opts.transports, opts.tp_pairs, opts.token_layouts, opts.hetero_paths,
+            opts.layout_pairs):
+        key = CaseKey(pair[0], pair[1], pattern, tokens, transport, (tp[0], tp[1]), (orders[0], orders[1]), path)
+        ident = (replace(key, hetero_path=""), case_shape(opts.geometry, key, opts.cache_factor).paths(path))
+        if ident not in seen:
+            seen.add(ident)
+            out.append(key)
+    return out
+
+
 # --- verification and ceiling --------------------------------------------------------------------
 
 
@@ -218,6 +394,47 @@ def verify(local: KVCache, shadow: KVCache, local_ids: np.ndarray, remote_ids: n
                     "blocks differ in this half)"
                 )
             checked += got.numel()
+    return checked
+
+
+def token_rows(cache: KVCache, block_ids: np.ndarray, num_tokens: int, layer: int) -> tuple[torch.Tensor, ...]:
+    """K and V of tokens [0, num_tokens) held in `block_ids` (token order) of one layer, each (tokens, H, D)."""
+    idx = torch.as_tensor(block_ids, device=cache.regions[0].device)
+    spec = cache.spec
+    return tuple(view.index_select(0, idx).reshape(-1, spec.num_kv_heads, spec.head_dim)[:num_tokens]
+                 for view in cache.kv(layer))
+
+
+def verify_tokens(local: KVCache, local_ids: np.ndarray, shadows: dict[int, KVCache], sources: Sequence[Source],
+                  remote_ids: np.ndarray, num_tokens: int) -> int:
+    """Compare tokens [0, n) of every KV head of the local rank with the prefill rank each was read from
+    (`shadows`, by rank, hold the same block ids), as raw bytes; returns bytes checked.
+
+    Raises TransferError naming the first differing token, layer, half and source.
+    """
+    lo_d, hi_d = local.spec.head_range()
+    covered = sorted(h for s in sources for h in range(*s.heads))
+    if covered != list(range(lo_d, hi_d)):
+        raise KVConnectError(f"sources cover heads {covered}, not the local rank's [{lo_d},{hi_d})")
+    dev = local.regions[0].device
+    checked = 0
+    for layer in range(local.spec.num_layers):
+        got_kv = token_rows(local, local_ids, num_tokens, layer)
+        for src in sources:
+            shadow = shadows[src.rank]
+            (lo, hi), lo_r = src.heads, shadow.spec.head_range()[0]
+            want_kv = token_rows(shadow, remote_ids, num_tokens, layer)
+            for half, got_t, want_t in zip("KV", got_kv, want_kv, strict=True):
+                got = got_t[:, lo - lo_d:hi - lo_d].contiguous().view(torch.uint8)
+                want = want_t[:, lo - lo_r:hi - lo_r].to(dev).contiguous().view(torch.uint8)
+                if not torch.equal(got, want):
+                    bad = (got != want).flatten(1).any(1).nonzero().flatten()
+                    t = int(bad[0])
+                    raise TransferError(
+                        f"pulled bytes differ: token {t} (local block {int(local_ids[t // local.spec.block_size])} "
+                        f"<- prefill rank {src.rank} block {int(remote_ids[t // shadow.spec.block_size])}), layer "
+                        f"{layer} {half}, heads [{lo},{hi}) ({int(bad.numel())} of {num_tokens} tokens differ)")
+                checked += got.numel()
     return checked
 
 
@@ -269,25 +486,43 @@ class CopyCeiling:
 class PullOutcome:
     stats: PullStats
     verified_bytes: int
+    scatter_s: float  # summed over the sources: their scatters run one after the other on the loop thread
+
+
+def _scatter_s(handle: PullHandle) -> float:
+    return sum(part.stats.scatter_s for part in handle.parts) if handle.parts else handle.stats.scatter_s
+
+
+def rank_seed(fill_seed: int, rank: int) -> int:
+    """Each prefill rank's cache gets its own bytes (rank 0 keeps the case's seed)."""
+    return fill_seed + 1_000_003 * rank
 
 
 class DecodeCase:
     """Pulls of one case over a fresh decode connector; `pull_once` is one verified request."""
 
-    def __init__(self, peer: PrefillPeer, local_spec: CacheSpec, remote_spec: CacheSpec, fill_seed: int,
-                 device: str, config: ConnectorConfig, label: str) -> None:
-        self.peer = peer
+    def __init__(self, peers: dict[int, PrefillPeer], shape: CaseShape, fill_seed: int, device: str,
+                 config: ConnectorConfig, label: str) -> None:
+        self.peers = peers  # by prefill rank
+        self.shape = shape
         self.device = device
         self.label = label
         self.confirm = config.confirm_reads
         self.timeout_s = config.pull_timeout_s
-        peer.setup(remote_spec, fill_seed)
-        # the remote cache's bytes, rebuilt here from the seed (while the prefill process fills its own)
-        shadow_spec = msgspec.structs.replace(remote_spec, device=local_spec.device)
-        self.shadow = KVCache.allocate(shadow_spec, device)
-        self.shadow.fill_pattern(fill_seed)
-        self.local = KVCache.allocate(local_spec, device)
-        peer.wait_setup()
+        tp = shape.prefill[0].tp_size
+        base = free_port_run(max(peers) + 1) if tp > 1 else 0  # a TP group's rank r listens on base + r
+        seeds = {r: rank_seed(fill_seed, r) for r in peers}
+        for rank, peer in peers.items():
+            peer.setup(shape.prefill[rank], seeds[rank], base + rank if base else 0)
+        # the read ranks' caches, rebuilt here from their seeds (while the prefill processes fill their own)
+        self.shadows = {}
+        for src in shape.reads:
+            self.shadows[src.rank] = KVCache.allocate(
+                msgspec.structs.replace(shape.prefill[src.rank], device=shape.decode.device), device)
+            self.shadows[src.rank].fill_pattern(seeds[src.rank])
+        self.local = KVCache.allocate(shape.decode, device)
+        for peer in peers.values():
+            peer.wait_setup()
         _sync(device)
         self.connector = KVConnector(self.local, config)
         self._count = 0
@@ -297,66 +532,90 @@ class DecodeCase:
         request_id = f"{self.label}-{self._count}"
         for t in self.local.regions:  # stale bytes from an earlier pull must not pass verification
             t.view(torch.uint8).zero_()
-        params = self.peer.lease(request_id, [int(b) for b in remote_ids])
+        ids = [int(b) for b in remote_ids]
+        num_tokens = None if self.shape.plain else self.shape.tokens  # block sizes may differ
+        params = {rank: peer.lease(request_id, ids, num_tokens) for rank, peer in self.peers.items()}
         _sync(self.device)
-        handle = self.connector.pull(params, [int(b) for b in local_ids], request_id=request_id)
+        handle = self.connector.pull(params[0], [int(b) for b in local_ids], request_id=request_id)
         stats = handle.wait(self.timeout_s)
-        if not self.confirm:  # the notification frees the lease; the next draw may reuse the blocks
-            state = self.peer.settle(request_id, self.timeout_s)
-            if state != "completed":
-                raise TransferError(f"pull {request_id}: prefill lease ended {state}, not completed")
-        return PullOutcome(stats, verify(self.local, self.shadow, local_ids, remote_ids))
+        self._end_leases(request_id)
+        if self.shape.plain:
+            checked = verify(self.local, self.shadows[0], local_ids, remote_ids)
+        else:
+            checked = verify_tokens(self.local, local_ids, self.shadows, self.shape.reads, remote_ids,
+                                    self.shape.tokens)
+        return PullOutcome(stats, checked, _scatter_s(handle))
+
+    def _end_leases(self, request_id: str) -> None:
+        """Every prefill rank's lease must end. A rank only decode rank 0 reads ends it by that read (the
+        confirmation, or the notification: waited for); a rank other decode ranks would read too, or one
+        holding a copy nobody reads, is released here. Then no rank may lease a block."""
+        for src in self.shape.reads:
+            if src.readers == 1:
+                state = self.peers[src.rank].settle(request_id, self.timeout_s)
+                if state != "completed":
+                    raise TransferError(f"pull {request_id}: prefill rank {src.rank}'s lease ended {state}, "
+                                        "not completed")
+        for rank, peer in self.peers.items():
+            state, held = peer.release(request_id)
+            if held or state not in ("completed", "released"):
+                raise TransferError(f"pull {request_id}: prefill rank {rank} still leases {held} blocks after "
+                                    f"release (lease {state})")
 
     def close(self) -> None:
         self.connector.close()
 
 
-def rep_result(stats: PullStats) -> RepResult:
+def rep_result(outcome: PullOutcome) -> RepResult:
+    stats = outcome.stats
     return RepResult(post_s=stats.post_s, transfer_s=stats.transfer_s, confirm_s=stats.confirm_s,
-                     total_s=stats.total_s, num_descs_merged=stats.num_descs_merged)
+                     total_s=stats.total_s, num_descs_merged=stats.num_descs_merged, scatter_s=outcome.scatter_s)
 
 
-@dataclass(frozen=True)
-class CaseKey:
-    """What distinguishes one case from another."""
-
-    prefill_layout: str
-    decode_layout: str
-    pattern: str
-    tokens: int
-    transport: str
-
-    @property
-    def label(self) -> str:
-        pair = f"{self.prefill_layout}:{self.decode_layout}"
-        return f"{pair} {self.tokens} tokens {self.pattern} via {self.transport}"
+def _draws(opts: BenchOptions, key: CaseKey, shape: CaseShape) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(local ids, remote ids) of every pull of a case: the same for every pair of a (pattern, tokens, rep)."""
+    (nb_p, nb_d), cache_p, cache_d = shape.num_blocks, shape.prefill[0].num_blocks, shape.decode.num_blocks
+    out = []
+    for rep in range(1 + opts.warmup + opts.reps):
+        rng = pattern_rng(opts.seed, key.pattern, key.tokens, rep)
+        remote_ids = draw_ids(rng, key.pattern, nb_p, cache_p)
+        out.append((draw_ids(rng, key.pattern, nb_d, cache_d), remote_ids))
+    return out
 
 
-def measure_case(peer: PrefillPeer, opts: BenchOptions, index: int, key: CaseKey, config: ConnectorConfig,
+def _check_pulls(index: int, key: CaseKey, shape: CaseShape, first: PullStats, timed: list[PullStats]) -> int:
+    """What every case must show (one handshake, the transport and paths asked for, every source read, the
+    same bytes each time); returns the bytes each pull moved."""
+    if first.handshake_s <= 0 or any(s.handshake_s for s in timed):
+        raise KVConnectError(f"case {index}: expected one handshake, on the first pull only")
+    used = {s.transport for s in timed}
+    if len(used) != 1 or (key.transport != "auto" and used != {key.transport}):
+        raise KVConnectError(f"case {index}: asked for transport {key.transport}, pulls used {sorted(used)}")
+    want_path = "+".join(sorted(set(shape.paths(key.hetero_path))))
+    paths, sources = {s.path for s in timed}, {s.num_sources for s in timed}
+    if paths != {want_path} or sources != {len(shape.reads)}:
+        raise KVConnectError(f"case {index}: expected path {want_path} from {len(shape.reads)} prefill ranks, "
+                             f"pulls used {sorted(paths)} from {sorted(sources)}")
+    moved = {s.bytes for s in timed}
+    if len(moved) != 1 or (shape.plain and moved != {shape.useful_bytes}) or min(moved) < shape.useful_bytes:
+        raise KVConnectError(f"case {index}: pulls moved {sorted(moved)} bytes, expected "
+                             f"{'' if shape.plain else 'one figure, at least '}{shape.useful_bytes}")
+    return moved.pop()
+
+
+def measure_case(group: PrefillGroup, opts: BenchOptions, index: int, key: CaseKey, config: ConnectorConfig,
                  tick: Callable[[], None]) -> CaseResult:
     """First-contact pull, warm-up pulls, then timed pulls each followed by one ceiling copy; every
-    pull verified byte for byte."""
+    pull verified byte for byte, and every prefill rank's lease ended after it."""
     geo = opts.geometry
-    pair, pattern, tokens, transport = (key.prefill_layout, key.decode_layout), key.pattern, key.tokens, \
-        key.transport
-    num_blocks = -(-tokens // geo.block_size)
-    cache_blocks = cache_blocks_for(pattern, num_blocks, opts.cache_factor)
-
-    def spec(kind: str, device: str) -> CacheSpec:
-        return CacheSpec(kind=LayoutKind(kind), dtype=geo.dtype, num_layers=geo.num_layers,
-                         num_blocks=cache_blocks, block_size=geo.block_size, num_kv_heads=geo.num_kv_heads,
-                         head_dim=geo.head_dim, device=device.split(":")[0])
-
-    draws = []
-    for rep in range(1 + opts.warmup + opts.reps):
-        rng = pattern_rng(opts.seed, pattern, tokens, rep)
-        remote_ids = draw_ids(rng, pattern, num_blocks, cache_blocks)
-        draws.append((draw_ids(rng, pattern, num_blocks, cache_blocks), remote_ids))
-    total_bytes = num_blocks * spec(pair[0], opts.prefill_device).block_bytes
-    ceiling = CopyCeiling(total_bytes, opts.prefill_device, opts.decode_device)
-    case = DecodeCase(peer, spec(pair[1], opts.decode_device), spec(pair[0], opts.prefill_device),
-                      fill_seed=opts.seed * 7919 + index + 1, device=opts.decode_device,
-                      config=msgspec.structs.replace(config, transport=transport), label=f"bench-{index}")
+    shape = case_shape(geo, key, opts.cache_factor, opts.prefill_device, opts.decode_device)
+    draws = _draws(opts, key, shape)
+    ceiling = CopyCeiling(shape.useful_bytes, opts.prefill_device, opts.decode_device)
+    peers = dict(zip(sorted(shape.prefill), group.take(len(shape.prefill)), strict=True))
+    cfg = msgspec.structs.replace(config, transport=key.transport, hetero_path=key.hetero_path,
+                                  staging_mb=shape.staging_mb)
+    case = DecodeCase(peers, shape, fill_seed=opts.seed * 7919 + index + 1, device=opts.decode_device,
+                      config=cfg, label=f"bench-{index}")
     outcomes = []
     try:
         for i, (local_ids, remote_ids) in enumerate(draws):
@@ -366,20 +625,19 @@ def measure_case(peer: PrefillPeer, opts: BenchOptions, index: int, key: CaseKey
             tick()
     finally:
         case.close()
-    first, timed = outcomes[0].stats, [o.stats for o in outcomes[1 + opts.warmup:]]
-    if first.handshake_s <= 0 or any(s.handshake_s for s in timed):
-        raise KVConnectError(f"case {index}: expected one handshake, on the first pull only")
-    used = {s.transport for s in timed}
-    if len(used) != 1 or (transport != "auto" and used != {transport}):
-        raise KVConnectError(f"case {index}: asked for transport {transport}, pulls used {sorted(used)}")
-    if any(s.bytes != total_bytes for s in timed):
-        raise KVConnectError(
-            f"case {index}: pulls moved {[s.bytes for s in timed]} bytes, expected {total_bytes}")
+    first, timed = outcomes[0].stats, outcomes[1 + opts.warmup:]
+    moved = _check_pulls(index, key, shape, first, [o.stats for o in timed])
+    hetero = HeteroFields(
+        prefill_tp=key.tp[0], decode_tp=key.tp[1], prefill_token_layout=key.token_layouts[0],
+        decode_token_layout=key.token_layouts[1], prefill_block_size=geo.block_size,
+        decode_block_size=geo.decode_block, hetero_path=key.hetero_path, path=timed[0].stats.path,
+        num_sources=len(shape.reads), prefill_ranks=len(peers), staging_mb=shape.staging_mb)
     return summarize_case(
-        prefill_layout=pair[0], decode_layout=pair[1], tokens=tokens, pattern=pattern, transport=transport,
-        transport_used=used.pop(), num_blocks=num_blocks,
-        cache_blocks=cache_blocks, total_bytes=total_bytes, granularity=first.granularity,
-        num_descs=first.num_descs, first_contact_s=first.handshake_s, first_pull_total_s=first.total_s,
-        reps=[rep_result(s) for s in timed], ceiling=ceiling.result(), verified_pulls=len(outcomes),
-        verified_bytes=sum(o.verified_bytes for o in outcomes), load_1m=os.getloadavg()[0],
+        prefill_layout=key.prefill_layout, decode_layout=key.decode_layout, tokens=key.tokens,
+        pattern=key.pattern, transport=key.transport, transport_used=timed[0].stats.transport,
+        num_blocks=shape.num_blocks[0], cache_blocks=shape.prefill[0].num_blocks, total_bytes=moved,
+        granularity=first.granularity, num_descs=first.num_descs, first_contact_s=first.handshake_s,
+        first_pull_total_s=first.total_s, reps=[rep_result(o) for o in timed], ceiling=ceiling.result(),
+        verified_pulls=len(outcomes), verified_bytes=sum(o.verified_bytes for o in outcomes),
+        load_1m=os.getloadavg()[0], useful_bytes=shape.useful_bytes, hetero=hetero,
     )

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -25,7 +27,12 @@ class Geometry(msgspec.Struct, frozen=True):
     num_kv_heads: int
     head_dim: int
     dtype: str
-    block_size: int
+    block_size: int  # the prefill side's tokens per block
+    decode_block_size: int = 0  # the decode side's; 0 = block_size
+
+    @property
+    def decode_block(self) -> int:
+        return self.decode_block_size or self.block_size
 
 
 class BenchOptions(msgspec.Struct, frozen=True):
@@ -48,6 +55,17 @@ class BenchOptions(msgspec.Struct, frozen=True):
     confirm: bool = True
     pull_timeout_s: float = 60.0
     progress: bool | None = None  # None: a bar when stderr is a terminal
+    # heterogeneous pairs (hetero.py): (prefill TP, decode TP) sizes, (prefill, decode) token layouts, and
+    # ConnectorConfig.hetero_path values to compare; geometry.num_kv_heads is the model's KV heads
+    tp_pairs: list[tuple[int, int]] = msgspec.field(default_factory=lambda: [(1, 1)])
+    token_layouts: list[tuple[str, str]] = msgspec.field(default_factory=lambda: [("NHD", "NHD")])
+    hetero_paths: list[str] = msgspec.field(default_factory=lambda: ["auto"])
+
+    @property
+    def hetero(self) -> bool:
+        """True when any option asks for a heterogeneous pair (the table then shows their columns)."""
+        return (self.tp_pairs != [(1, 1)] or self.token_layouts != [("NHD", "NHD")] or self.hetero_paths != ["auto"]
+                or self.geometry.decode_block != self.geometry.block_size)
 
 
 class RepResult(msgspec.Struct, frozen=True):
@@ -58,6 +76,7 @@ class RepResult(msgspec.Struct, frozen=True):
     confirm_s: float
     total_s: float
     num_descs_merged: int
+    scatter_s: float = 0.0  # staging path: staging -> decode cache (summed over the sources)
 
 
 class Ceiling(msgspec.Struct, frozen=True):
@@ -74,9 +93,9 @@ class CaseResult(msgspec.Struct, frozen=True):
     pattern: str
     transport: str  # as asked for ("nixl", "ipc", "auto")
     transport_used: str  # as the pulls reported it
-    num_blocks: int
-    cache_blocks: int  # blocks in each side's cache (ids are drawn from these)
-    bytes: int
+    num_blocks: int  # blocks of the request on the prefill side
+    cache_blocks: int  # blocks in the prefill side's cache (ids are drawn from these)
+    bytes: int  # what the READs moved per request (wire bytes; whole staged blocks on the staging path)
     granularity: str
     num_descs: int  # per request, before run merging
     num_descs_merged: int  # median over timed reps
@@ -84,9 +103,9 @@ class CaseResult(msgspec.Struct, frozen=True):
     first_contact_s: float  # handshake_s of the case's first pull: metadata + remote agent + list prep
     first_pull_total_s: float  # that first (cold) pull, requested -> usable
     reps: list[RepResult]
-    gbps_median: float  # bytes / (post + transfer)
+    gbps_median: float  # useful_bytes / (post + transfer + scatter)
     gbps_p90: float  # the same at the 90th percentile of (post + transfer): the slow tail
-    e2e_gbps_median: float  # bytes / total (pull requested -> blocks usable, confirmation included)
+    e2e_gbps_median: float  # useful_bytes / total (pull requested -> blocks usable, confirmation included)
     post_ms_median: float
     xfer_ms_median: float
     confirm_ms_median: float
@@ -96,15 +115,54 @@ class CaseResult(msgspec.Struct, frozen=True):
     verified_pulls: int  # every pull of the case, first and warm-up included
     verified_bytes: int
     load_1m: float = 0.0  # this machine's 1-minute load average when the case ended (noise hint)
+    # heterogeneous pairs; the defaults describe a homogeneous case (and files written before these fields)
+    prefill_tp: int = 1
+    decode_tp: int = 1  # the bench measures decode rank 0 of this group
+    prefill_token_layout: str = "NHD"
+    decode_token_layout: str = "NHD"
+    prefill_block_size: int = 0  # 0: the geometry's block_size
+    decode_block_size: int = 0
+    hetero_path: str = "auto"  # as asked (ConnectorConfig.hetero_path)
+    path: str = "block"  # as the pulls reported it: block, direct, staging ("+"-joined over sources)
+    num_sources: int = 1  # prefill ranks decode rank 0 read
+    prefill_ranks: int = 1  # prefill processes in the case (ranks read, and copies nobody reads, released)
+    useful_bytes: int = 0  # decode rank 0's share: its KV heads of tokens [0, n); 0 in older files (= bytes)
+    scatter_ms_median: float = 0.0
+    staging_mb: int = 0  # the decode connector's staging cache per source shape, sized from the request
 
     @property
     def pair(self) -> str:
         return f"{self.prefill_layout}:{self.decode_layout}"
 
     @property
+    def useful(self) -> int:
+        return self.useful_bytes or self.bytes
+
+    @property
+    def tp(self) -> str:
+        return f"{self.prefill_tp}:{self.decode_tp}"
+
+    @property
+    def token_layouts(self) -> str:
+        return f"{self.prefill_token_layout}:{self.decode_token_layout}"
+
+    @property
+    def blocks(self) -> str:
+        return f"{self.prefill_block_size}:{self.decode_block_size or self.prefill_block_size}"
+
+    @property
+    def hetero(self) -> bool:
+        return (self.tp != "1:1" or self.prefill_token_layout != self.decode_token_layout or self.path != "block"
+                or self.prefill_block_size != (self.decode_block_size or self.prefill_block_size))
+
+    @property
     def series(self) -> str:
-        """The plot's line: the layout pair, and the transport when it is not NIXL."""
-        return self.pair if self.transport_used == "nixl" else f"{self.pair} ({self.transport_used})"
+        """The plot's line: the layout pair (with TP, token layouts and path when heterogeneous), and the
+        transport when it is not NIXL."""
+        name = self.pair
+        if self.hetero:
+            name += f" tp{self.tp} {self.token_layouts} {self.path}"
+        return name if self.transport_used == "nixl" else f"{name} ({self.transport_used})"
 
 
 class BenchReport(msgspec.Struct):
@@ -114,6 +172,22 @@ class BenchReport(msgspec.Struct):
     environment: dict[str, str]  # UCX_*, NIXL_*, CUDA_VISIBLE_DEVICES as the run saw them
     system: dict[str, str]  # versions, CPU model, GPU names; nothing that names the host
     cases: list[CaseResult] = []
+
+
+class HeteroFields(msgspec.Struct, frozen=True):
+    """What a case adds when its pair is heterogeneous (copied into CaseResult's fields of the same names)."""
+
+    prefill_tp: int
+    decode_tp: int
+    prefill_token_layout: str
+    decode_token_layout: str
+    prefill_block_size: int
+    decode_block_size: int
+    hetero_path: str
+    path: str
+    num_sources: int
+    prefill_ranks: int
+    staging_mb: int
 
 
 def summarize_case(
@@ -136,12 +210,17 @@ def summarize_case(
     verified_pulls: int,
     verified_bytes: int,
     load_1m: float = 0.0,
+    useful_bytes: int = 0,
+    hetero: HeteroFields | None = None,
 ) -> CaseResult:
-    """Medians and tails of the timed reps, plus the ratio to the same-run ceiling."""
-    span_s = np.array([r.post_s + r.transfer_s for r in reps])
+    """Medians and tails of the timed reps, plus the ratio to the same-run ceiling. Rates count the useful
+    bytes (`useful_bytes`, default `total_bytes`: decode rank 0's share) over post + transfer + scatter."""
+    useful = useful_bytes or total_bytes
+    span_s = np.array([r.post_s + r.transfer_s + r.scatter_s for r in reps])
     total_s = np.array([r.total_s for r in reps])
     merged = int(np.median([r.num_descs_merged for r in reps]))
-    gbps = total_bytes / np.median(span_s) / 1e9
+    gbps = useful / np.median(span_s) / 1e9
+    extra = msgspec.structs.asdict(hetero) if hetero is not None else {}
     return CaseResult(
         prefill_layout=prefill_layout,
         decode_layout=decode_layout,
@@ -160,8 +239,8 @@ def summarize_case(
         first_pull_total_s=first_pull_total_s,
         reps=reps,
         gbps_median=float(gbps),
-        gbps_p90=float(total_bytes / np.percentile(span_s, 90) / 1e9),
-        e2e_gbps_median=float(total_bytes / np.median(total_s) / 1e9),
+        gbps_p90=float(useful / np.percentile(span_s, 90) / 1e9),
+        e2e_gbps_median=float(useful / np.median(total_s) / 1e9),
         post_ms_median=float(np.median([r.post_s for r in reps]) * 1e3),
         xfer_ms_median=float(np.median([r.transfer_s for r in reps]) * 1e3),
         confirm_ms_median=float(np.median([r.confirm_s for r in reps]) * 1e3),
@@ -171,12 +250,17 @@ def summarize_case(
         verified_pulls=verified_pulls,
         verified_bytes=verified_bytes,
         load_1m=load_1m,
+        useful_bytes=useful,
+        scatter_ms_median=float(np.median([r.scatter_s for r in reps]) * 1e3),
+        **extra,
     )
 
 
 # --- text ----------------------------------------------------------------------------------------
 
-_COLUMNS = (
+_Column = tuple[str, int, Callable[[CaseResult], str]]
+
+_COLUMNS: tuple[_Column, ...] = (
     # header, width, formatter
     ("layout pair", 27, lambda c: c.pair),
     ("tokens", 6, lambda c: str(c.tokens)),
@@ -195,6 +279,37 @@ _COLUMNS = (
     ("%ceil", 6, lambda c: f"{c.pct_of_ceiling:.0f}%"),
     ("1st ms", 7, lambda c: f"{c.first_contact_s * 1e3:.1f}"),
 )
+
+# heterogeneous runs: these after the layout pair, "MiB" split into wire and useful, scatter after xfer
+_HETERO_AFTER_PAIR: tuple[_Column, ...] = (
+    ("tp", 4, lambda c: c.tp),
+    ("tokens in", 9, lambda c: c.token_layouts),
+    ("block", 6, lambda c: c.blocks),
+    ("path", 15, lambda c: c.path + ("" if c.hetero_path == "auto" else "!")),
+    ("src", 3, lambda c: str(c.num_sources)),
+)
+_HETERO_BYTES: tuple[_Column, ...] = (
+    ("wire MiB", 8, lambda c: f"{c.bytes / 2**20:.1f}"),
+    ("use MiB", 8, lambda c: f"{c.useful / 2**20:.1f}"),
+)
+_HETERO_SCATTER: _Column = ("scat ms", 8, lambda c: f"{c.scatter_ms_median:.2f}")
+
+
+def columns(hetero: bool) -> tuple[_Column, ...]:
+    """The table's columns: the homogeneous ones, or those with the heterogeneous pair's columns added."""
+    if not hetero:
+        return _COLUMNS
+    out: list[_Column] = []
+    for col in _COLUMNS:
+        if col[0] == "MiB":
+            out += _HETERO_BYTES
+            continue
+        out.append(col)
+        if col[0] == "layout pair":
+            out += _HETERO_AFTER_PAIR
+        elif col[0] == "xfer ms":
+            out.append(_HETERO_SCATTER)
+    return tuple(out)
 
 
 def _size(nbytes: float) -> str:
@@ -218,9 +333,22 @@ _LEGEND = (
 )
 
 
-def _row(cells: list[str]) -> str:
+_HETERO_LEGEND = (
+    "Heterogeneous pairs: the bench is decode rank 0 of the decode TP group, reading every prefill rank it "
+    "needs (one process per rank). tp = prefill:decode TP sizes (the model's KV heads split over each group); "
+    "tokens in = NHD/HND inside a block, prefill:decode; block = tokens per block, prefill:decode. path = what "
+    "the pulls used (block: same blocks; direct: token segments straight into the decode cache; staging: "
+    "whole remote blocks into a staging cache, then a scatter); '!' = forced with hetero_path. src = prefill "
+    "ranks read. wire MiB = bytes the READs moved; use MiB = decode rank 0's share (its heads of the "
+    "request's tokens). descs/merged count every source's READ. scat ms = the scatter (summed over sources). "
+    "Here GB/s, p90 and e2e count the useful bytes, over post + xfer + scatter (e2e: over the whole pull), "
+    "and ceil copies the useful bytes."
+)
+
+
+def _row(cells: list[str], cols: tuple[_Column, ...] = _COLUMNS) -> str:
     """First column left-aligned, the rest right-aligned, each to its column's width."""
-    widths = [w for _, w, _ in _COLUMNS]
+    widths = [w for _, w, _ in cols]
     first = cells[0].ljust(widths[0])
     return "  ".join([first] + [c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True)])
 
@@ -229,17 +357,21 @@ def format_table(report: BenchReport) -> str:
     """The human-readable report: geometry and environment, one row per case, a legend."""
     opts, geo = report.options, report.options.geometry
     env = report.environment
+    hetero = opts.hetero or any(c.hetero for c in report.cases)
+    cols = columns(hetero)
+    block = f"block {geo.block_size}" if geo.decode_block == geo.block_size else \
+        f"block {geo.block_size} (prefill) / {geo.decode_block} (decode)"
     lines = [
         f"kvconnect bench: {geo.model} ({geo.num_layers} layers, {geo.num_kv_heads} kv heads, head_dim "
-        f"{geo.head_dim}, {geo.dtype}), block {geo.block_size} tokens; {opts.prefill_device} -> "
+        f"{geo.head_dim}, {geo.dtype}), {block} tokens; {opts.prefill_device} -> "
         f"{opts.decode_device}; reps {opts.reps} (+{opts.warmup} warm-up); confirm "
         f"{'on' if opts.confirm else 'off'}; nixl threads {opts.nixl_threads}",
         "env: " + (" ".join(f"{k}={v}" for k, v in sorted(env.items()) if k.startswith(("UCX_", "NIXL_")))
                    or "(UCX defaults)"),
         "",
-        _row([h for h, _, _ in _COLUMNS]),
+        _row([h for h, _, _ in cols], cols),
     ]
-    lines += [_row([f(case) for _, _, f in _COLUMNS]) for case in report.cases]
+    lines += [_row([f(case) for _, _, f in cols], cols) for case in report.cases]
     verified = sum(c.verified_pulls for c in report.cases)
     verified_gib = sum(c.verified_bytes for c in report.cases) / 2**30
     loads = [c.load_1m for c in report.cases]
@@ -247,6 +379,7 @@ def format_table(report: BenchReport) -> str:
         "",
         *textwrap.wrap(_LEGEND.format(ceiling=report.cases[0].ceiling.kind if report.cases else "-"), 100,
                       break_on_hyphens=False),
+        *(textwrap.wrap(_HETERO_LEGEND, 100, break_on_hyphens=False) if hetero else []),
         f"verified: {verified} pulls, {verified_gib:.2f} GiB, byte-exact.",
         f"load average (1 min, at the end of each case; this run's own processes add about 2): "
         f"{min(loads, default=0):.1f} to {max(loads, default=0):.1f}",
@@ -268,21 +401,10 @@ def read_json(path: str | Path) -> BenchReport:
     return msgspec.json.decode(Path(path).read_bytes(), type=BenchReport)
 
 
-def write_plot(report: BenchReport, path: str | Path) -> None:
-    """GB/s and % of ceiling against bytes per descriptor, one line per layout pair (per request length,
-    when several were run, larger markers for longer requests); a third panel, GB/s against request
-    size, when the run swept more than one request length."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+def _plot_lines(axes: Any, cases: list[CaseResult], tokens: list[int], patterns: list[str], sweep: bool) -> None:
+    """One line per series (layout pair, transport), one point per request length and pattern."""
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
 
-    cases = report.cases
-    tokens = sorted({c.tokens for c in cases})
-    patterns = list(dict.fromkeys(c.pattern for c in cases))
-    sweep = len(tokens) > 1
-    fig, axes = plt.subplots(1, 3 if sweep else 2, figsize=(17 if sweep else 11.5, 4.8))
     for i, name in enumerate(dict.fromkeys(c.series for c in cases)):
         color = plt.get_cmap("tab10")(i % 10)
         mine = [c for c in cases if c.series == name]
@@ -300,6 +422,52 @@ def write_plot(report: BenchReport, path: str | Path) -> None:
             label = f"{name} {pattern}" if len(patterns) > 1 else name
             axes[2].plot([c.bytes for c in line], [c.gbps_median for c in line], color=color, marker="o",
                          ls=("-", "--", ":", "-.")[k % 4], label=label)
+
+
+def _point_label(case: CaseResult, pairs: int) -> str:
+    label = f"tp{case.tp} {case.token_layouts}" + ("!" if case.hetero_path != "auto" else "")
+    return f"{case.pair} {label}" if pairs > 1 else label
+
+
+def _plot_by_path(axes: Any, cases: list[CaseResult]) -> None:
+    """Heterogeneous runs: one point per case, coloured by the path its pulls took, labelled with its TP and
+    token layouts ('!' when the path was forced)."""
+    import matplotlib.pyplot as plt
+
+    pairs = len({c.pair for c in cases})
+    for i, path in enumerate(dict.fromkeys(c.path for c in cases)):
+        color = plt.get_cmap("tab10")(i % 10)
+        mine = [c for c in cases if c.path == path]
+        x = [c.bytes_per_desc for c in mine]
+        axes[0].vlines(x, [c.gbps_p90 for c in mine], [c.gbps_median for c in mine], color=color, alpha=0.4)
+        for ax, y in ((axes[0], [c.gbps_median for c in mine]), (axes[1], [c.pct_of_ceiling for c in mine])):
+            ax.scatter(x, y, color=color, s=30, alpha=0.85, label=path)
+            for case, xi, yi in zip(mine, x, y, strict=True):
+                ax.annotate(_point_label(case, pairs), (xi, yi), xytext=(4, 3), textcoords="offset points",
+                            fontsize=6.5, color=color)
+
+
+def write_plot(report: BenchReport, path: str | Path) -> None:
+    """GB/s and % of ceiling against bytes per descriptor, one line per layout pair (per request length,
+    when several were run, larger markers for longer requests); a third panel, GB/s against request
+    size, when the run swept more than one request length. Heterogeneous runs: one labelled point per
+    case, coloured by path (`_plot_by_path`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    cases = report.cases
+    tokens = sorted({c.tokens for c in cases})
+    patterns = list(dict.fromkeys(c.pattern for c in cases))
+    hetero = report.options.hetero or any(c.hetero for c in cases)
+    sweep = len(tokens) > 1 and not hetero
+    fig, axes = plt.subplots(1, 3 if sweep else 2, figsize=(17 if sweep else 11.5, 4.8))
+    if hetero:
+        _plot_by_path(axes, cases)
+    else:
+        _plot_lines(axes, cases, tokens, patterns, sweep)
     if cases:
         ceiling = float(np.median([c.ceiling.gbps_median for c in cases]))
         axes[0].axhline(ceiling, color="gray", ls="--", lw=1, label=f"copy ceiling (median) {ceiling:.1f}")
@@ -323,7 +491,8 @@ def write_plot(report: BenchReport, path: str | Path) -> None:
     if sweep:
         axes[2].set_xlabel("request size")
     geo, opts = report.options.geometry, report.options
-    fig.suptitle(f"kvconnect bench: {geo.model}, {geo.dtype}, block {geo.block_size}, {','.join(patterns)} "
+    block = f"{geo.block_size}" if geo.decode_block == geo.block_size else f"{geo.block_size}->{geo.decode_block}"
+    fig.suptitle(f"kvconnect bench: {geo.model}, {geo.dtype}, block {block}, {','.join(patterns)} "
                  f"ids, {','.join(map(str, tokens))} tokens, {opts.prefill_device} -> {opts.decode_device}",
                  fontsize=11)
     fig.tight_layout()

@@ -1,21 +1,38 @@
-"""`kvconnect bench`: argument handling, block-id draws, byte verification, and a tiny real run (two
-processes, real NIXL) whose JSON and PNG are checked. No timed asserts."""
+"""`kvconnect bench`: argument handling, block-id draws, byte verification, and tiny real runs (real
+processes, real NIXL) whose JSON and PNG are checked: homogeneous pairs, and heterogeneous ones (TP groups
+with one process per prefill rank, block-size conversion, NHD/HND; block, direct and staging paths). No
+timed asserts."""
 
 from __future__ import annotations
 
 import argparse
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
 from kvconnect import bench
-from kvconnect.bench_pull import cache_blocks_for, draw_ids, verify
-from kvconnect.bench_report import read_json
+from kvconnect.bench_pull import (
+    CaseKey,
+    PrefillGroup,
+    cache_blocks_for,
+    case_shape,
+    draw_ids,
+    measure_case,
+    plan_cases,
+    verify,
+    verify_tokens,
+)
+from kvconnect.bench_report import BenchOptions, Geometry, read_json
 from kvconnect.cache import KVCache
 from kvconnect.cli import build_parser, main
+from kvconnect.config import ConnectorConfig
 from kvconnect.errors import ConfigError, TransferError
 from kvconnect.layout import CacheSpec, LayoutKind
+from kvconnect.staging import scatter
+
+SMALL = Geometry(model="small", num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16", block_size=16)
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -37,6 +54,12 @@ def parse(*argv: str) -> argparse.Namespace:
         (["--prefill-device", "gpu0"], "expected cpu, cuda or cuda:N"),
         (["--transport", "rdma"], "bad transport"),
         (["--cache-factor", "0.5"], "must be >= 1.0"),
+        (["--tp", "2:x"], "bad TP pair '2:x'"),
+        (["--tp", "0:1"], "bad TP pair '0:1'"),
+        (["--tp", "1:2:4"], "expected PREFILL:DECODE TP sizes"),
+        (["--token-layouts", "NHD:DHN"], "bad token layout pair 'NHD:DHN'"),
+        (["--hetero-path", "auto,fast"], "bad hetero path 'fast': expected auto, direct, staging"),
+        (["--decode-block-size", "0"], "must be >= 1"),
     ],
 )
 def test_bad_arguments_fail_with_a_clear_message(argv, message, capsys) -> None:
@@ -130,6 +153,9 @@ def test_tiny_real_run_writes_verified_json_and_plot(tmp_path, capsys) -> None:
         assert case.first_contact_s > 0 and case.transport_used == "nixl"
         assert case.num_descs_merged <= case.num_descs
         assert case.bytes_per_desc == case.bytes / case.num_descs_merged
+        assert (case.path, case.num_sources, case.prefill_ranks, case.tp) == ("block", 1, 1, "1:1")
+        assert case.useful_bytes == case.bytes and case.scatter_ms_median == 0 and not case.hetero
+    assert "use MiB" not in table and "scat ms" not in table  # the homogeneous table is unchanged
     for tokens, num_blocks in ((48, 3), (256, 16)):
         by_pair = {c.prefill_layout: c for c in report.cases if c.tokens == tokens}
         assert by_pair["kv_first"].num_descs == 2 * by_pair["blocks_first"].num_descs == 2 * 4 * num_blocks
@@ -149,3 +175,137 @@ def test_unconfirmed_runs_pattern_mixed_pair(tmp_path) -> None:
     assert mixed.granularity == "LAYER" and mixed.num_descs == 4 * 8 and mixed.verified_pulls == 4
     assert same.granularity == "BLOCK" and same.num_descs == 8
     assert 1 <= same.num_descs_merged <= 2  # two runs of 4 blocks (adjacent on both sides by chance: one)
+
+
+# --- heterogeneous pairs -------------------------------------------------------------------------
+
+
+def test_hetero_arguments_parse_into_options() -> None:
+    opts = bench.options_from_args(parse(
+        "--tp", "1:2,2:1,4", "--token-layouts", "nhd:hnd,HND", "--hetero-path", "direct,staging",
+        "--decode-block-size", "64",
+    ))
+    assert opts.tp_pairs == [(1, 2), (2, 1), (4, 4)]
+    assert opts.token_layouts == [("NHD", "HND"), ("HND", "HND")]
+    assert opts.hetero_paths == ["direct", "staging"] and opts.hetero
+    assert (opts.geometry.num_kv_heads, opts.geometry.block_size, opts.geometry.decode_block) == (8, 16, 64)
+    defaults = bench.options_from_args(parse())
+    assert (defaults.tp_pairs, defaults.token_layouts, defaults.hetero_paths) == ([(1, 1)], [("NHD", "NHD")], ["auto"])
+    assert defaults.geometry.decode_block_size == 0 and not defaults.hetero
+    assert bench.options_from_args(parse("--tp", "16:1,1:32")).tp_pairs == [(16, 1), (1, 32)]  # replication
+    with pytest.raises(ConfigError, match="--tp: prefill tp_size 3 does not divide the model's 8 KV heads; "
+                                          "decode tp_size 12 is not a multiple"):
+        bench.options_from_args(parse("--tp", "3:12"))
+    assert main(["bench", "--tp", "3:1", "--no-progress"]) == 2  # reported, not raised
+
+
+def test_case_shapes_choose_ranks_paths_and_staging_from_the_request() -> None:
+    opts = BenchOptions(geometry=SMALL, tokens=[100], layout_pairs=[("cross_layer", "cross_layer")],
+                        patterns=["scattered"], tp_pairs=[(1, 1), (2, 1), (4, 1), (1, 2)],
+                        hetero_paths=["auto", "direct", "staging"])
+    keys = plan_cases(opts)
+    # equal blocks: every path is the block path (one case); a forced path auto takes anyway runs once
+    assert [(k.tp, k.hetero_path) for k in keys] == [
+        ((1, 1), "auto"), ((2, 1), "auto"), ((2, 1), "direct"), ((4, 1), "auto"), ((4, 1), "direct"),
+        ((1, 2), "auto"), ((1, 2), "direct")]
+    replicated = case_shape(SMALL, keys[3], 1.25)  # 4 prefill ranks over 2 heads: two copies of each head
+    assert sorted(replicated.prefill) == [0, 1, 2, 3] and replicated.sources.release_only == (1, 3)
+    assert [(s.rank, s.heads, s.readers) for s in replicated.reads] == [(0, (0, 1), 1), (2, (1, 2), 1)]
+    assert replicated.paths("auto") == ("staging", "staging") and replicated.staging_mb == 1
+    half = case_shape(SMALL, keys[5], 1.25)  # decode rank 0 of 2 reads head 0 of the only prefill rank
+    assert [(s.rank, s.heads, s.readers) for s in half.reads] == [(0, (0, 1), 2)]
+    assert half.useful_bytes == 100 * 4 * 2 * 1 * 64 * 2 and half.num_blocks == (7, 7) and not half.plain
+    big = msgspec.structs.replace(SMALL, num_layers=80, decode_block_size=64)
+    shape = case_shape(big, CaseKey("cross_layer", "kv_first", "scattered", 4096, "nixl"), 1.25)
+    assert shape.num_blocks == (256, 64) and shape.staging_mb * 2**20 >= 256 * shape.prefill[0].block_bytes
+
+
+def test_verify_tokens_catches_a_single_wrong_byte() -> None:
+    """Decode rank 0 (HND, block 64) of TP 1 holds both heads; each comes from one of two NHD prefill ranks."""
+    def spec(tp: int, rank: int, block: int, order: str, blocks: int) -> CacheSpec:
+        return CacheSpec(kind=LayoutKind.CROSS_LAYER, dtype="bfloat16", num_layers=2, num_blocks=blocks,
+                         block_size=block, num_kv_heads=2 // tp, head_dim=8, tp_size=tp, tp_rank=rank,
+                         token_layout=order, total_kv_heads=2)
+
+    local = KVCache.allocate(spec(1, 0, 64, "HND", 4))
+    shape = case_shape(msgspec.structs.replace(SMALL, decode_block_size=64),
+                       CaseKey("cross_layer", "cross_layer", "scattered", 100, "nixl", (2, 1)), 1.25)
+    shadows = {}
+    local_ids, remote_ids = np.array([3, 0]), np.array([8, 1, 5, 0, 2, 9, 4])
+    for src in shape.reads:
+        shadows[src.rank] = KVCache.allocate(spec(2, src.rank, 16, "NHD", 10))
+        shadows[src.rank].fill_pattern(src.rank + 1)
+        scatter(shadows[src.rank], remote_ids, local, local_ids, 100, src.heads)
+    assert verify_tokens(local, local_ids, shadows, shape.reads, remote_ids, 100) == 100 * 2 * 2 * 2 * 8 * 2
+    local.kv(1)[1][0, 6, 1].view(torch.uint8)[3] ^= 1  # token 70: local block 0 slot 6, layer 1, V, head 1
+    with pytest.raises(TransferError, match=r"token 70 \(local block 0 <- prefill rank 1 block 2\), layer 1 V, "
+                                            r"heads \[1,2\) \(1 of 100 tokens differ\)"):
+        verify_tokens(local, local_ids, shadows, shape.reads, remote_ids, 100)
+
+
+def test_tp_groups_through_the_cli_staging_and_direct(tmp_path, capsys) -> None:
+    json_path, png_path = tmp_path / "hetero.json", tmp_path / "hetero.png"
+    argv = ["bench", "--model", "small", "--tokens", "100", "--tp", "2:1,1:2", "--token-layouts", "NHD:NHD,HND:HND",
+            "--layouts", "cross_layer", "--reps", "2", "--warmup", "0", "--no-progress", "--json", str(json_path),
+            "--plot", str(png_path)]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "wire MiB" in table and "use MiB" in table and "scat ms" in table and "byte-exact" in table
+    report = read_json(json_path)
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report.options.tp_pairs == [(2, 1), (1, 2)]
+    paths = {(c.tp, c.token_layouts): c.path for c in report.cases}
+    assert paths == {("2:1", "NHD:NHD"): "staging", ("2:1", "HND:HND"): "direct",
+                     ("1:2", "NHD:NHD"): "staging", ("1:2", "HND:HND"): "direct"}
+    block = 32 * 1024  # a 16-token block of the whole model (2 heads)
+    for c in report.cases:
+        heads = 2 // c.decode_tp
+        assert c.useful_bytes == 100 * 4 * 2 * heads * 64 * 2 == c.ceiling.bytes
+        assert c.verified_pulls == 3 and c.verified_bytes == 3 * c.useful_bytes
+        assert c.num_sources == c.prefill_ranks == c.prefill_tp and c.num_blocks == 7
+        assert (c.scatter_ms_median > 0) == (c.path == "staging") and c.hetero and c.blocks == "16:16"
+        assert c.num_descs_merged <= c.num_descs and c.gbps_median > 0 and c.pct_of_ceiling > 0
+        if c.path == "staging":  # whole remote blocks: a prefill rank's heads, every slot of 7 blocks
+            assert c.bytes == 7 * block and c.granularity == "BLOCK" and c.num_descs == 7 * c.num_sources
+        else:  # 7 segments of 16 tokens of one head, per layer and half, per source
+            assert c.bytes == 7 * 16 * 4 * 2 * 1 * 64 * 2 * c.num_sources and c.granularity == "CHUNK"
+    assert next(c for c in report.cases if c.tp == "1:2" and c.path == "staging").bytes == 7 * block  # 2x useful
+
+
+def test_block_size_conversion_with_forced_paths(tmp_path) -> None:
+    opts = BenchOptions(geometry=msgspec.structs.replace(SMALL, decode_block_size=64), tokens=[100],
+                        layout_pairs=[("kv_first", "blocks_first")], patterns=["runs:4"], reps=2, warmup=0,
+                        hetero_paths=["auto", "direct", "staging"], progress=False)
+    report = bench.run_bench(opts)
+    assert [(c.hetero_path, c.path) for c in report.cases] == [("auto", "direct"), ("staging", "staging")]
+    for c in report.cases:
+        assert c.blocks == "16:64" and c.useful_bytes == 100 * 4 * 2 * 2 * 64 * 2
+        assert c.verified_pulls == 3 and c.verified_bytes == 3 * c.useful_bytes and c.num_sources == 1
+    direct, staged = report.cases
+    assert direct.scatter_ms_median == 0 < staged.scatter_ms_median and staged.bytes == 7 * 32 * 1024
+
+
+def test_every_prefill_rank_lease_ends_after_each_pull() -> None:
+    """One KV head. 1:2 - both decode ranks read the prefill rank, so after decode rank 0's read its lease waits
+    for decode rank 1: the bench releases it. 2:1 - both prefill ranks hold the head: rank 0 is read (completed),
+    rank 1's copy is read by nobody (released). Afterwards no rank leases a block."""
+    one_head = msgspec.structs.replace(SMALL, num_kv_heads=1)
+    opts = BenchOptions(geometry=one_head, tokens=[64], layout_pairs=[("blocks_first", "cross_layer")],
+                        patterns=["scattered"], reps=1, warmup=0, tp_pairs=[(1, 2), (2, 1)])
+    config = ConnectorConfig(engine_id="bench-decode", side_channel_host="127.0.0.1", staging_mb=1)
+    group = PrefillGroup(bench.transport_env(), "cpu", msgspec.structs.replace(config, engine_id="bench-prefill"))
+    ends = []
+    try:
+        for index, key in enumerate(plan_cases(opts)):
+            case = measure_case(group, opts, index, key, config, lambda: None)
+            assert case.verified_pulls == 2 and case.verified_bytes == 2 * case.useful_bytes
+            assert (case.num_sources, case.prefill_ranks) == (1, key.tp[0])
+            last = f"bench-{index}-{case.verified_pulls}"
+            ranks = sorted(case_shape(one_head, key, opts.cache_factor).prefill)
+            ends.append({rank: peer.release(last) for rank, peer in zip(ranks, group.peers, strict=False)})
+        assert ends == [{0: ("released", 0)}, {0: ("completed", 0), 1: ("released", 0)}]
+        peer = group.peers[0]  # `release` ends a held lease and says what the rank still leases
+        peer.lease("probe", [1, 2])
+        assert peer.release("nothing") == ("unknown", 2) and peer.release("probe") == ("released", 0)
+    finally:
+        group.stop()
