@@ -29,6 +29,7 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
     handshake_timeout_s: float = 5.0
     pull_timeout_s: float = 30.0  # deadline of one READ, posting to completion
     confirm_reads: bool = True  # ask the prefill side whether the lease held during the read
+    pin_reads: bool = True  # pin the lease as the READ is posted, so its end needs no round trip (lease.py)
     nixl_threads: int = 0  # UCX worker threads per agent (0 = backend default)
     telemetry: bool = False  # NIXL per-transfer telemetry (issued descriptor counts)
     failure_policy: str = "fail"  # "fail" or "recompute" when a pull fails

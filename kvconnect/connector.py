@@ -166,11 +166,11 @@ class KVConnector:
             return self._peer_info
         self._drain_notifs()  # a notification may be queued behind this request
         if msg.action is p.LeaseAction.CONFIRM:
-            state = self.leases.state(msg.request_id)
-            if state is p.LeaseState.HELD:
-                state = self.leases.complete(msg.request_id, msg.reader, msg.readers)
+            state = self.leases.complete(msg.request_id, msg.reader, msg.readers)
+        elif msg.action is p.LeaseAction.PIN:
+            state = self.leases.pin(msg.request_id, msg.reader, msg.pin_ms / 1000)
         else:
-            state = self.leases.release(msg.request_id)
+            state = self.leases.release(msg.request_id, msg.reader)
             if state is p.LeaseState.RELEASED:
                 log.info("lease %s released by %s", msg.request_id, msg.engine_id)
         return p.LeaseReply(msg.request_id, state, self.incarnation_id)

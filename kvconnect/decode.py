@@ -298,7 +298,26 @@ class DecodeSide:
         stats.post_s = posted_s - t0
         pull.phase = PullPhase.POSTED
         self._posted.append(pull)
+        if self._pins_reads(pull):
+            self._send_pin(peer, pull)
         self._check(pull, state)
+
+    def _pins_reads(self, pull: Pull) -> bool:
+        config = self._conn.config
+        return config.pin_reads and (config.confirm_reads or pull.handle.stats.transport == "ipc")
+
+    def _send_pin(self, peer: Peer, pull: Pull) -> None:
+        """Ask the prefill side to keep the blocks until we confirm (so the READ's end needs no round trip)."""
+        src = pull.source
+        assert src is not None
+        now = time.monotonic()
+        pin_s = max(pull.deadline_s - now, 0.001)
+        pull.pin_until_s = now + pin_s  # the prefill pins from when it gets this, so at least until then
+        pull.pin = "sent"
+        peer.confirming[pull.remote_request_id] = pull
+        peer.channel.send(p.LeaseRequest(p.PROTOCOL_VERSION, self._conn.engine_id, pull.remote_request_id,
+                                         p.LeaseAction.PIN, reader=src.reader, readers=src.readers,
+                                         pin_ms=int(pin_s * 1000)))
 
     def _reserve_staging(self, plan: SourcePlan, pull: Pull) -> bool:
         """Staging blocks for the pull's remote blocks (False: wait); InvalidRequestError if it can never fit."""
@@ -361,16 +380,32 @@ class DecodeSide:
         if not self._conn.config.confirm_reads and pull.handle.stats.transport != "ipc":
             self._succeed(pull)  # (an IPC gather sends no notification: its confirmation ends the lease)
             return
+        pull.phase = PullPhase.CONFIRMING
+        if pull.pin == "sent":
+            return  # the pin's answer decides (_on_reply)
+        self._after_pin(pull)
+
+    def _after_pin(self, pull: Pull) -> None:
+        """READ done, pin answered (or none asked): succeed under a live pin, else confirm the old way."""
         peer = self._peers.get(pull.peer_key)
         if peer is None:
             self._fail(pull, PeerGoneError(f"engine {pull.remote_engine_id} dropped before confirmation"))
             return
+        if pull.pin not in ("", "held"):
+            self._fail(pull, LeaseLostError(f"pull {pull.handle.request_id}: prefill lease was {pull.pin} "
+                                            "before the read was pinned; data discarded"))
+            return
         src = pull.source
         assert src is not None
-        pull.phase = PullPhase.CONFIRMING
+        confirm = p.LeaseRequest(p.PROTOCOL_VERSION, self._conn.engine_id, pull.remote_request_id,
+                                 p.LeaseAction.CONFIRM, reader=src.reader, readers=src.readers)
+        if pull.pin == "held" and time.monotonic() < pull.pin_until_s:
+            peer.channel.send(confirm)  # ends our pin and, for the last reader, the lease; answer not needed
+            pull.handle.stats.confirm_s = time.monotonic() - pull.read_done_s
+            self._succeed(pull)
+            return
         peer.confirming[pull.remote_request_id] = pull
-        peer.channel.send(p.LeaseRequest(p.PROTOCOL_VERSION, self._conn.engine_id, pull.remote_request_id,
-                                         p.LeaseAction.CONFIRM, reader=src.reader, readers=src.readers))
+        peer.channel.send(confirm)
 
     def progress(self) -> None:
         """One loop tick: replies, READ states, cancellations and deadlines."""
@@ -415,6 +450,8 @@ class DecodeSide:
                     f"engine {peer.engine_id} at {peer.host}:{peer.port}: no handshake answer within "
                     f"{self._conn.config.handshake_timeout_s:.3g}s"))
             for rid, pull in list(peer.confirming.items()):
+                if pull.phase is PullPhase.POSTED:
+                    continue  # a PIN answer pending while the READ runs: the READ's deadline covers it
                 if pull.handle.cancel_requested or now >= pull.deadline_s:
                     del peer.confirming[rid]
                     peer.channel.forget(f"lease:{rid}")
@@ -431,7 +468,18 @@ class DecodeSide:
                 self._fail_peer(peer, reply)
             return
         pull = peer.confirming.pop(ref.removeprefix("lease:"), None)
-        if pull is None:
+        if pull is None or pull.phase in (PullPhase.DONE, PullPhase.FAILED):
+            return
+        if pull.pin == "sent":  # the answer to our PIN
+            if isinstance(reply, HandshakeError):
+                pull.pin = f"unpinned ({reply})"
+            else:
+                assert isinstance(reply, p.LeaseReply)
+                # COMPLETED: our READ's notification already ended the lease, so it read under the lease
+                good = reply.state in (p.LeaseState.HELD, p.LeaseState.COMPLETED)
+                pull.pin = "held" if good else reply.state.value
+            if pull.phase is PullPhase.CONFIRMING:  # the READ is already done
+                self._after_pin(pull)
             return
         if isinstance(reply, HandshakeError):
             self._fail(pull, reply)
@@ -454,10 +502,13 @@ class DecodeSide:
                 f"{now - pull.requested_s:.3g}s; abandoned"))
 
     def send_release_for(self, pull: Pull) -> None:
+        """Release the lease this pull reads (as its reader: that also drops its pin)."""
         peer = self._peers.get(pull.peer_key)
         if peer is not None:
+            peer.confirming.pop(pull.remote_request_id, None)
+            reader = pull.source.reader if pull.source is not None else -1
             peer.channel.send(p.LeaseRequest(p.PROTOCOL_VERSION, self._conn.engine_id, pull.remote_request_id,
-                                             p.LeaseAction.RELEASE))
+                                             p.LeaseAction.RELEASE, reader=reader))
 
     def send_release(self, params: p.KVTransferParams) -> None:
         """Release the lease on every rank of the prefill's TP group."""
@@ -475,7 +526,7 @@ class DecodeSide:
                         params.tp_size)
             self._peers[peer.key] = peer
         peer.channel.send(p.LeaseRequest(p.PROTOCOL_VERSION, self._conn.engine_id, params.remote_request_id,
-                                         p.LeaseAction.RELEASE))
+                                         p.LeaseAction.RELEASE, reader=-1))
 
     def _release_xfer(self, pull: Pull) -> None:
         if pull.xfer is not None:
@@ -490,6 +541,10 @@ class DecodeSide:
         self._report(pull, None)
 
     def _fail(self, pull: Pull, error: KVConnectError) -> None:
+        if pull.phase in (PullPhase.DONE, PullPhase.FAILED):
+            return
+        if pull.pin:  # drop our pin now rather than when it times out
+            self.send_release_for(pull)
         rank = pull.source.rank if pull.source is not None else 0
         log.warning("pull %s from %s failed: %s%s", pull.handle.request_id, pull.remote_engine_id, error,
                     f" (prefill rank {rank})" if rank else "")

@@ -5,6 +5,11 @@ ends exactly once: COMPLETED (the reader's notification or confirmation arrived 
 RELEASED (explicitly given back), or EXPIRED (its TTL ran out). Each end hands the blocks back through
 `on_free`. Ended leases are remembered for a while as tombstones, so a late confirmation learns whether
 the data it read was still reserved at the time: only COMPLETED means yes.
+
+A reader may *pin* a held lease before its read finishes (so it need not ask afterwards): until the pin
+ends (the reader completes or releases, or the pin's own deadline passes) the blocks are not handed back,
+whatever ends the lease meanwhile (TTL, release, force-expire); that end takes effect, blocks scrubbed and
+freed, when the last pin goes.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ class Lease:
     state: LeaseState = LeaseState.HELD
     ended_s: float = 0.0
     readers_done: frozenset[int] = frozenset()  # decode ranks done reading, when several read it
+    pins: dict[int, float] | None = None  # reader -> pinned until (clock time)
+    deferred: bool = False  # ended while pinned: blocks go back when the last pin ends
+    deferred_scrub: Callable[[list[int]], None] | None = None
 
 
 class LeaseTable:
@@ -71,7 +79,8 @@ class LeaseTable:
     def held(self) -> list[Lease]:
         """Snapshot of the leases still held."""
         with self._lock:
-            return [Lease(**vars(x)) for x in self._leases.values() if x.state is LeaseState.HELD]
+            return [Lease(**{**vars(x), "pins": dict(x.pins or {})}) for x in self._leases.values()
+                    if x.state is LeaseState.HELD]
 
     # --- transitions -------------------------------------------------------------------------------
 
@@ -92,37 +101,101 @@ class LeaseTable:
             self.counts[LeaseState.HELD] += 1
             return lease
 
-    def complete(self, request_id: str, reader: int = 0, readers: int = 1) -> LeaseState:
-        """Reader `reader` of `readers` finished (notification or confirmation). Returns COMPLETED when its
-        read happened under the lease; the lease itself ends when the last reader is done."""
+    def pin(self, request_id: str, reader: int, pin_s: float) -> LeaseState:
+        """Keep a held lease's blocks for `reader` for up to `pin_s` (see the module doc). Returns HELD when
+        pinned, else the state the lease ended in: the reader must then not use what it reads."""
         with self._lock:
             lease = self._leases.get(request_id)
-            injected = self._expire_on_read > 0 and lease is not None and lease.state is LeaseState.HELD
-            if injected:
+            if lease is None:
+                return LeaseState.UNKNOWN
+            if lease.state is not LeaseState.HELD:
+                return lease.state
+            if self._expire_on_read > 0:  # fault injection: as if the TTL ran out before the pin arrived
                 self._expire_on_read -= 1
-            elif lease is not None and lease.state is LeaseState.HELD and readers > 1:
+                injected = True
+            else:
+                pins = lease.pins if lease.pins is not None else {}
+                pins[reader] = max(pins.get(reader, 0.0), self._clock() + pin_s)
+                lease.pins = pins
+                return LeaseState.HELD
+        if injected:
+            log.warning("lease %s expired as its read was pinned (fault injection)", request_id)
+        return self._end(request_id, LeaseState.EXPIRED)
+
+    def unpin(self, request_id: str, reader: int) -> None:
+        """`reader` no longer reads: drop its pin (and hand back the blocks of a lease that ended meanwhile)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None or not lease.pins or reader not in lease.pins:
+                return
+            del lease.pins[reader]
+            freeing = self._take_deferred(lease)
+        if freeing is not None:
+            self._free(*freeing)
+
+    def complete(self, request_id: str, reader: int = 0, readers: int = 1) -> LeaseState:
+        """Reader `reader` of `readers` finished (notification or confirmation). Returns COMPLETED when its
+        read happened under the lease (or under its pin); the lease itself ends when the last reader is done."""
+        injected = after_end = False
+        freeing = None
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None:
+                return LeaseState.UNKNOWN
+            pinned = bool(lease.pins) and reader in (lease.pins or {})
+            if pinned:
+                assert lease.pins is not None
+                del lease.pins[reader]  # this reader is done either way
+            if lease.state is not LeaseState.HELD:
+                if not pinned:
+                    return lease.state
+                ended = lease.state  # ended while pinned: the pin kept the blocks, so the read was good
+                freeing, after_end = self._take_deferred(lease), True
+            elif not pinned and self._expire_on_read > 0:
+                self._expire_on_read -= 1
+                injected = True
+            elif readers > 1:
                 lease.readers_done = lease.readers_done | {reader}
                 if len(lease.readers_done) < readers:
                     return LeaseState.COMPLETED  # this reader's data is good; the others still read
+        if after_end:
+            if freeing is not None:
+                self._free(*freeing)
+            log.info("lease %s: pinned read completed after the lease ended %s", request_id, ended.value)
+            return LeaseState.COMPLETED
         if injected:  # as if the TTL had run out while the reader was reading
             log.warning("lease %s expired as its read finished (fault injection)", request_id)
             return self._end(request_id, LeaseState.EXPIRED)
         return self._end(request_id, LeaseState.COMPLETED)
 
-    def release(self, request_id: str) -> LeaseState:
-        """Give the blocks back now without a completed read."""
-        return self._end(request_id, LeaseState.RELEASED)
+    def release(self, request_id: str, reader: int = -1) -> LeaseState:
+        """Give the blocks back now without a completed read (`reader`, when it is one, also drops its pin)."""
+        state = self._end(request_id, LeaseState.RELEASED)
+        if reader >= 0:
+            self.unpin(request_id, reader)
+        return state
 
     def expire(self) -> list[Lease]:
         """End every lease past its TTL and forget old tombstones; returns the leases that expired."""
         now = self._clock()
         expired: list[Lease] = []
+        unpinned: list[tuple[list[int], Callable[[list[int]], None] | None]] = []
         with self._lock:
             for rid, lease in list(self._leases.items()):
-                if lease.state is LeaseState.HELD and now >= lease.expires_s:
+                if lease.pins:
+                    for reader, until in list(lease.pins.items()):
+                        if now >= until:
+                            del lease.pins[reader]
+                    freeing = self._take_deferred(lease)
+                    if freeing is not None:
+                        unpinned.append(freeing)
+                if lease.state is LeaseState.HELD and now >= lease.expires_s and not lease.pins:
                     expired.append(lease)
-                elif lease.state is not LeaseState.HELD and now - lease.ended_s >= self.tombstone_s:
+                elif lease.state is not LeaseState.HELD and not lease.deferred and now - lease.ended_s >= \
+                        self.tombstone_s:
                     del self._leases[rid]
+        for freeing in unpinned:
+            self._free(*freeing)
         ended = [x for x in expired if self._end(x.request_id, LeaseState.EXPIRED) is LeaseState.EXPIRED]
         for lease in ended:
             log.warning("lease %s expired unread after %.3gs: %d blocks back to the allocator",
@@ -152,11 +225,26 @@ class LeaseTable:
                 return lease.state
             lease.state = how
             lease.ended_s = self._clock()
-            self._leased_blocks.difference_update(lease.block_ids)
             self.counts[how] += 1
             self.counts[LeaseState.HELD] -= 1
+            if lease.pins:  # a pinned read is in flight: the blocks go back when it is done
+                lease.deferred, lease.deferred_scrub = True, scrub
+                return how
+            self._leased_blocks.difference_update(lease.block_ids)
             blocks = list(lease.block_ids)
+        self._free(blocks, scrub)
+        return how
+
+    def _take_deferred(self, lease: Lease) -> tuple[list[int], Callable[[list[int]], None] | None] | None:
+        """(blocks, scrub) to hand back now that `lease` has no pins, if it ended while pinned (lock held)."""
+        if lease.pins or not lease.deferred:
+            return None
+        lease.deferred = False
+        scrub, lease.deferred_scrub = lease.deferred_scrub, None
+        self._leased_blocks.difference_update(lease.block_ids)
+        return list(lease.block_ids), scrub
+
+    def _free(self, blocks: list[int], scrub: Callable[[list[int]], None] | None = None) -> None:
         if scrub is not None:
             scrub(blocks)
         self._on_free(blocks)
-        return how

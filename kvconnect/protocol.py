@@ -43,8 +43,9 @@ class LeaseState(str, enum.Enum):
 
 
 class LeaseAction(str, enum.Enum):
-    CONFIRM = "confirm"  # after a READ: was the data intact? finishes the lease
+    CONFIRM = "confirm"  # after a READ: was the data intact? finishes the lease (and the reader's pin)
     RELEASE = "release"  # give the blocks back now (client abort, decode gave up)
+    PIN = "pin"  # with the READ: keep the blocks until this reader confirms, or for pin_ms at most
 
 
 # --- side channel: requests ----------------------------------------------------------------------
@@ -68,6 +69,7 @@ class LeaseRequest(msgspec.Struct, tag="lease"):
     mac: bytes = b""
     reader: int = 0  # which of `readers` decode ranks reading this prefill rank confirms (heterogeneous TP)
     readers: int = 1
+    pin_ms: int = 0  # PIN: how long at most
 
 
 # --- side channel: replies -----------------------------------------------------------------------

@@ -148,6 +148,8 @@ class Pull:
     group: PullGroup | None = None  # the request this pull is one source of
     staging_ids: list[int] | None = None  # staging blocks the READ lands in (staging path)
     on_settled: Callable[[], None] | None = None  # runs once no READ can write into this pull's blocks
+    pin: str = ""  # "" (not asked), "sent", "held", or how the lease had ended when the PIN arrived
+    pin_until_s: float = 0.0  # our (conservative) end of the pin
 
     @property
     def peer_key(self) -> str:
@@ -219,9 +221,9 @@ class PullGroup:
         stats = self.parent.handle.stats
         parts = [h.stats for h in self.parent.handle.parts]
         stats.num_sources = len(parts)
-        for name in ("bytes", "num_descs", "num_descs_merged", "post_s", "validate_s"):
-            setattr(stats, name, sum(getattr(x, name) for x in parts))
-        for name in ("handshake_s", "transfer_s", "confirm_s", "queued_s", "scatter_s"):
+        for name in ("bytes", "num_descs", "num_descs_merged", "post_s", "validate_s", "scatter_s"):
+            setattr(stats, name, sum(getattr(x, name) for x in parts))  # (one after another on the loop)
+        for name in ("handshake_s", "transfer_s", "confirm_s", "queued_s"):
             setattr(stats, name, max(getattr(x, name) for x in parts))
         for name in ("path", "granularity", "transport"):
             setattr(stats, name, "+".join(sorted({getattr(x, name) for x in parts if getattr(x, name)})))

@@ -65,3 +65,56 @@ def test_release_and_double_grant() -> None:
 def test_ttl_must_be_positive() -> None:
     with pytest.raises(LeaseError):
         LeaseTable(0, Clock(), lambda ids: None)
+
+
+def test_a_pinned_lease_outlives_its_ttl_until_the_pin_ends() -> None:
+    t, clock, freed = table(ttl=10)
+    t.grant("a", [5, 6])
+    clock.now += 9
+    assert t.pin("a", reader=0, pin_s=5) is LeaseState.HELD
+    clock.now += 3  # past the TTL, inside the pin
+    assert t.expire() == [] and t.state("a") is LeaseState.HELD and freed == []
+    clock.now += 2.5  # the pin's own deadline passed (the reader vanished): the TTL applies again
+    assert [x.request_id for x in t.expire()] == ["a"] and freed == [5, 6]
+
+
+def test_ending_a_pinned_lease_defers_freeing_and_scrubbing_to_the_pin() -> None:
+    """Release or force-expire while a pinned READ is in flight: the state changes at once, but the blocks
+    (and the scrub that would overwrite them) wait for the reader, whose read is therefore good."""
+    for end in ("release", "force"):
+        t, clock, freed = table()
+        scrubbed: list[int] = []
+        t.grant("a", [1, 2])
+        assert t.pin("a", reader=0, pin_s=5) is LeaseState.HELD
+        if end == "release":
+            assert t.release("a") is LeaseState.RELEASED  # another party's release (reader -1)
+        else:
+            assert t.force_expire("a", scrub=scrubbed.extend) is LeaseState.EXPIRED
+        assert freed == [] and scrubbed == [] and t.num_blocks_held == 2
+        assert t.complete("a", reader=0) is LeaseState.COMPLETED  # the pinned read finished intact
+        assert freed == [1, 2] and scrubbed == ([1, 2] if end == "force" else []) and t.num_blocks_held == 0
+        assert t.state("a") is (LeaseState.RELEASED if end == "release" else LeaseState.EXPIRED)
+
+
+def test_pin_reports_an_ended_lease_and_the_readers_release_drops_its_pin() -> None:
+    t, clock, freed = table()
+    t.grant("a", [1])
+    t.release("a")
+    assert t.pin("a", 0, 5) is LeaseState.RELEASED and t.pin("zz", 0, 5) is LeaseState.UNKNOWN
+    t.grant("b", [2])
+    assert t.pin("b", reader=1, pin_s=5) is LeaseState.HELD
+    assert t.release("b", reader=1) is LeaseState.RELEASED and freed == [1, 2]  # its own pin: freed at once
+    t.grant("c", [3])
+    t.expire_next_reads(1)
+    assert t.pin("c", 0, 5) is LeaseState.EXPIRED and freed == [1, 2, 3]  # fault injection hits the pin
+
+
+def test_several_readers_each_pin_and_the_last_one_frees() -> None:
+    t, clock, freed = table()
+    t.grant("a", [7])
+    for reader in (0, 1):
+        assert t.pin("a", reader, 5) is LeaseState.HELD
+    assert t.complete("a", reader=1, readers=2) is LeaseState.COMPLETED and freed == []
+    t.release("a")  # e.g. the request was aborted while reader 0 still reads
+    assert freed == []
+    assert t.complete("a", reader=0, readers=2) is LeaseState.COMPLETED and freed == [7]
