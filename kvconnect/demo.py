@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from kvconnect.errors import KVConnectError
 from kvconnect.layout import LayoutKind
 
 PROMPTS = [
@@ -41,6 +42,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Poll /proc until every thread of `pid` is stopped (state T); KVConnectError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            states = []
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except OSError:  # no /proc, or the process is gone: nothing to wait for
+            return
+        if all(state in ("T", "t") for state in states):
+            return
+        if time.monotonic() >= deadline:
+            raise KVConnectError(f"process {pid} did not stop within {timeout_s}s (thread states {states})")
+        time.sleep(0.002)
 
 
 @dataclass
@@ -119,7 +138,10 @@ class Cluster:
         return self.procs[name].pid
 
     def signal(self, name: str, sig: int) -> None:
+        """Send `sig`; a SIGSTOP returns once the process has really stopped (delivery is asynchronous)."""
         self.procs[name].send_signal(sig)
+        if sig == signal.SIGSTOP:
+            wait_stopped(self.procs[name].pid)
 
     def kill(self, name: str, timeout_s: float = 15.0) -> None:
         """SIGKILL one process and reap it."""

@@ -7,8 +7,8 @@ Tests and soak runs use them to do to a prefill worker's leases what production 
   held ones when `request_ids` is absent). `poison` overwrites their blocks with noise after the lease
   ended and before the blocks go back to the allocator, as reuse by another request would: a reader that
   used such blocks would produce a wrong completion, so fail-closed handling becomes visible.
-- `POST /admin/leases/expire-on-read` `{"count": n}`: the next n reads to finish find their lease expired,
-  as if the TTL had run out while the reader was reading.
+- `POST /admin/leases/expire-on-read` `{"count": n}`: the next n reads to finish (or to be pinned,
+  whichever reaches the prefill first) find their lease expired, as if the TTL had run out mid-read.
 
 Never enable this in production: any HTTP client could then break other clients' requests.
 """
