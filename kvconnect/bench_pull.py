@@ -70,7 +70,8 @@ class _PrefillServer:
         if cmd == "settle":
             return _settle(self.connector, args[0], args[1])
         if cmd == "release":  # end the lease if still held: (its final state, blocks this rank still leases)
-            return str(self.connector.release(args[0]).value), self.connector.leases.num_blocks_held
+            state = self.connector.release(args[0])
+            return str(state.value), _drained(self.connector, _RELEASE_WAIT_S)
         raise KVConnectError(f"unknown command {cmd!r}")
 
     def setup(self, spec_raw: bytes, seed: int, port: int) -> int:
@@ -109,6 +110,20 @@ def _prefill_main(pipe: Any, env: dict[str, str], device: str, config: Connector
                 pipe.send(("error", f"{type(e).__name__}: {e}"))
     finally:
         server.close()
+
+
+_RELEASE_WAIT_S = 10.0
+
+
+def _drained(connector: KVConnector, timeout_s: float) -> int:
+    """Blocks still leased once none are, or the deadline passed. A lease ended while a reader had it
+    pinned hands its blocks back when that reader's confirmation (sent without waiting) arrives."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = connector.leases.num_blocks_held
+        if held == 0 or time.monotonic() >= deadline:
+            return held
+        time.sleep(0.0005)
 
 
 def _settle(connector: KVConnector, request_id: str, timeout_s: float) -> str:

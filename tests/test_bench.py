@@ -246,17 +246,17 @@ def test_verify_tokens_catches_a_single_wrong_byte() -> None:
 def test_tp_groups_through_the_cli_staging_and_direct(tmp_path, capsys) -> None:
     json_path, png_path = tmp_path / "hetero.json", tmp_path / "hetero.png"
     argv = ["bench", "--model", "small", "--tokens", "100", "--tp", "2:1,1:2", "--token-layouts", "NHD:NHD,HND:HND",
-            "--layouts", "cross_layer", "--reps", "2", "--warmup", "0", "--no-progress", "--json", str(json_path),
-            "--plot", str(png_path)]
+            "--layouts", "cross_layer", "--hetero-path", "staging,direct", "--reps", "2", "--warmup", "0",
+            "--no-progress", "--json", str(json_path), "--plot", str(png_path)]
     assert main(argv) == 0
     table = capsys.readouterr().out
     assert "wire MiB" in table and "use MiB" in table and "scat ms" in table and "byte-exact" in table
     report = read_json(json_path)
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert report.options.tp_pairs == [(2, 1), (1, 2)]
-    paths = {(c.tp, c.token_layouts): c.path for c in report.cases}
-    assert paths == {("2:1", "NHD:NHD"): "staging", ("2:1", "HND:HND"): "direct",
-                     ("1:2", "NHD:NHD"): "staging", ("1:2", "HND:HND"): "direct"}
+    paths = {(c.tp, c.token_layouts, c.hetero_path): c.path for c in report.cases}  # (auto's pick: test_hetero)
+    assert paths == {(tp, order, path): path for tp in ("2:1", "1:2") for order in ("NHD:NHD", "HND:HND")
+                     for path in ("staging", "direct")}
     block = 32 * 1024  # a 16-token block of the whole model (2 heads)
     for c in report.cases:
         heads = 2 // c.decode_tp
@@ -267,8 +267,9 @@ def test_tp_groups_through_the_cli_staging_and_direct(tmp_path, capsys) -> None:
         assert c.num_descs_merged <= c.num_descs and c.gbps_median > 0 and c.pct_of_ceiling > 0
         if c.path == "staging":  # whole remote blocks: a prefill rank's heads, every slot of 7 blocks
             assert c.bytes == 7 * block and c.granularity == "BLOCK" and c.num_descs == 7 * c.num_sources
-        else:  # 7 segments of 16 tokens of one head, per layer and half, per source
+        else:  # 7 segments of 16 tokens of one head, per layer and half, per source (in 1 or 16 pieces)
             assert c.bytes == 7 * 16 * 4 * 2 * 1 * 64 * 2 * c.num_sources and c.granularity == "CHUNK"
+            assert c.num_descs == 7 * 4 * 2 * (1 if c.token_layouts == "HND:HND" else 16) * c.num_sources
     assert next(c for c in report.cases if c.tp == "1:2" and c.path == "staging").bytes == 7 * block  # 2x useful
 
 
