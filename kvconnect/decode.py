@@ -256,10 +256,13 @@ class DecodeSide:
                     self._staging_wait.append(pull)
                     return
                 assert pull.staging_ids is not None
-                local_ids: Sequence[int] = pull.staging_ids
+                local_ids: Sequence[int] | np.ndarray = pull.staging_ids
             else:
                 local_ids = pull.local_block_ids
-            local, remote = plan_src.pair.order_checked(local_ids, pull.remote_block_ids)  # see from_params
+            if peer.mapped is not None:  # one gather kernel: issue order is irrelevant
+                local, remote = plan_src.pair.bounds_checked(pull.local_block_ids, pull.remote_block_ids)
+            else:
+                local, remote = plan_src.pair.order_checked(local_ids, pull.remote_block_ids)  # see from_params
             if not plan_src.pair.block_for_block or plan_src.path is Path.STAGING:
                 pull.num_tokens = token_span(len(pull.local_block_ids), conn.spec.block_size,
                                              len(pull.remote_block_ids), peer.info.spec.block_size, pull.num_tokens)
@@ -277,7 +280,7 @@ class DecodeSide:
                 pull.event = peer.mapped.post(local, remote)
                 state = XferState.PROC
                 posted_s = time.monotonic()
-                plan = pull.plan = plan_src.pair.plan_validated(local, remote)
+                plan = pull.plan = plan_src.pair.summary(int(local.size))
             else:
                 plan = pull.plan = plan_src.pair.plan_validated(local, remote, pull.num_tokens)
                 src = pull.source

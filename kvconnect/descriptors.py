@@ -165,7 +165,8 @@ class PairPlan:
         order = np.argsort(remote, kind="stable")
         return local[order], remote[order]
 
-    def order_checked(self, local_ids: Sequence[int], remote_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    def order_checked(self, local_ids: Sequence[int] | np.ndarray,
+                      remote_ids: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """`validate` for ids that already passed `validate_block_ids` (integers, non-negative, unique, equal
         counts) against an unknown remote size: only the upper bounds remain to check. The hot path."""
         local = np.asarray(local_ids, dtype=np.int64)
@@ -180,6 +181,24 @@ class PairPlan:
             raise InvalidRequestError("remote_block_ids", f"{remote.size} remote blocks for {local.size} local blocks")
         order = np.argsort(remote, kind="stable")
         return local[order], remote[order]
+
+    def bounds_checked(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`order_checked` without the sort, for a block-for-block copy whose issue order does not matter
+        (the IPC gather: one kernel, no runs to merge)."""
+        for field, ids, bound in (("local_block_ids", local_ids, self.local_spec.num_blocks),
+                                  ("remote_block_ids", remote_ids, self.remote_spec.num_blocks)):
+            if ids.size and int(ids.max()) >= bound:
+                raise InvalidRequestError(field, f"block ids {ids[ids >= bound][:8].tolist()} outside [0, {bound})")
+        if local_ids.size != remote_ids.size:
+            raise InvalidRequestError("remote_block_ids",
+                                      f"{remote_ids.size} remote blocks for {local_ids.size} local blocks")
+        return local_ids, remote_ids
+
+    def summary(self, num_blocks: int) -> PullPlan:
+        """What a block-for-block copy of `num_blocks` blocks moves, without index arrays (IPC gather)."""
+        units = self.local_units.num_units * num_blocks
+        empty = np.empty(0, dtype=np.int32)
+        return PullPlan(empty, empty, num_blocks, units, units, units * self.unit_bytes)
 
     def plan(self, local_ids: Sequence[int] | np.ndarray, remote_ids: Sequence[int] | np.ndarray,
              num_tokens: int | None = None) -> PullPlan:

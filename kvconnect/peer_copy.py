@@ -28,6 +28,8 @@ CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 IPC_HANDLE_BYTES = 64
 _WORD_BYTES = 8  # the kernel moves int64 words
 _CHUNK_WORDS = 4096  # words per program: 32 KiB
+_RING = 8  # upload slots (gathers in flight before a post waits)
+_PROGRAMS_PER_SM = 8  # the gather's fixed grid
 
 
 class PeerCopyError(NixlError):
@@ -98,6 +100,37 @@ class IpcGather:
         self._nb_dst = pair.local_spec.num_blocks
         self._stream = torch.cuda.Stream(device=self._device)
         self._src_ptr, self._dst_ptr = _Ptr(self._src_origin), _Ptr(self._dst_origin)  # fixed per peer
+        self._chunks = -(-self._unit_words // _CHUNK_WORDS)
+        props = torch.cuda.get_device_properties(self._device)
+        self._programs = props.multi_processor_count * _PROGRAMS_PER_SM
+        # Each post writes [n, (remote, local) * n] into a ring slot of pinned host memory, copies it up
+        # (asynchronously: a pageable upload is synchronous and costs ~70 us) and replays that slot's CUDA graph
+        # of the gather (a Triton launch from Python costs ~30-50 us; a replay a few). A slot is reused only
+        # after the gather that read it has finished.
+        cap = 1 + 2 * self._nb_dst
+        self._host_ids = [torch.zeros(cap, dtype=torch.int64, pin_memory=True) for _ in range(_RING)]
+        self._dev_ids = [torch.zeros(cap, dtype=torch.int64, device=self._device) for _ in range(_RING)]
+        self._done = [torch.cuda.Event() for _ in range(_RING)]
+        self._used = [False] * _RING
+        self._next_slot = 0
+        self._graphs: list[Any] = []
+        with torch.cuda.stream(self._stream):
+            self._launch(0)  # compiles the kernel (count 0: no work)
+        self._stream.synchronize()
+        try:
+            for slot in range(_RING):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
+                    self._launch(slot)
+                self._graphs.append(graph)
+        except Exception as e:  # e.g. a driver without graph support: launch directly
+            log.info("IPC gather: CUDA graph capture failed (%s); launching the kernel directly", e)
+            self._graphs = []
+
+    def _launch(self, slot: int) -> None:
+        _kernel()[(self._programs,)](self._src_ptr, self._dst_ptr, self._src_table, self._dst_table,
+                                     self._dev_ids[slot], self._nb_src, self._nb_dst, self._unit_words,
+                                     self._num_units, self._chunks, CHUNK=_CHUNK_WORDS, num_warps=8)
 
     @classmethod
     def open(cls, info: Any, pair: Any, cache: Any) -> IpcGather:
@@ -122,23 +155,30 @@ class IpcGather:
     def post(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> Any:
         """Enqueue one request's gather (validated ids); returns a CUDA event to poll."""
         import torch
-        import triton
 
         n = int(local_ids.shape[0])
-        pairs = np.empty((n, 2), dtype=np.int64)
-        pairs[:, 0], pairs[:, 1] = remote_ids, local_ids
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % _RING
+        done = self._done[slot]
+        if self._used[slot]:
+            done.synchronize()  # (waits only while _RING gathers are in flight)
+        host = self._host_ids[slot]
+        words = host.numpy()
+        words[0] = n
+        words[1:1 + 2 * n:2] = remote_ids
+        words[2:2 + 2 * n:2] = local_ids
         try:
             with torch.cuda.stream(self._stream):
-                ids = torch.from_numpy(pairs).to(self._device, non_blocking=True)
-                grid = (self._num_units * n, triton.cdiv(self._unit_words, _CHUNK_WORDS))
-                _kernel()[grid](self._src_ptr, self._dst_ptr, self._src_table,
-                                self._dst_table, ids, n, self._nb_src, self._nb_dst, self._unit_words,
-                                CHUNK=_CHUNK_WORDS, num_warps=8)
-                event = torch.cuda.Event()
-                event.record(self._stream)
+                self._dev_ids[slot][:1 + 2 * n].copy_(host[:1 + 2 * n], non_blocking=True)
+                if self._graphs:
+                    self._graphs[slot].replay()
+                else:
+                    self._launch(slot)
+                done.record(self._stream)
         except Exception as e:
             raise PeerCopyError(f"gather kernel launch failed: {type(e).__name__}: {e}") from e
-        return event
+        self._used[slot] = True
+        return done
 
     def close(self) -> None:
         self._stream.synchronize()
@@ -199,19 +239,24 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["n", "nb_src", "nb_dst"])
-    def gather_blocks(src, dst, src_table, dst_table, pairs, n, nb_src, nb_dst, unit_words,
+    @triton.jit
+    def gather_blocks(src, dst, src_table, dst_table, ids, nb_src, nb_dst, unit_words, num_units, chunks,
                       CHUNK: tl.constexpr):
-        # program (d, c): chunk c of unit u = d // n of the i-th (remote, local) block pair, i = d % n
-        d = tl.program_id(0).to(tl.int64)
-        c = tl.program_id(1).to(tl.int64)
-        u = d // n
-        i = d % n
-        s_off = tl.load(src_table + u * nb_src + tl.load(pairs + 2 * i))
-        d_off = tl.load(dst_table + u * nb_dst + tl.load(pairs + 2 * i + 1))
-        offs = c * CHUNK + tl.arange(0, CHUNK)
-        mask = offs < unit_words
-        tl.store(dst + d_off + offs, tl.load(src + s_off + offs, mask=mask), mask=mask)
+        # ids = [n, remote_0, local_0, remote_1, local_1, ...]; a fixed grid of programs walks the
+        # n * num_units * chunks work items (chunk c of unit u of pair i), so one launch (or graph) fits any n
+        n = tl.load(ids)
+        total = n * num_units * chunks
+        step = tl.num_programs(0).to(tl.int64)
+        for w in range(tl.program_id(0).to(tl.int64), total, step):
+            c = w % chunks
+            d = w // chunks
+            u = d // n
+            i = d % n
+            s_off = tl.load(src_table + u * nb_src + tl.load(ids + 1 + 2 * i))
+            d_off = tl.load(dst_table + u * nb_dst + tl.load(ids + 2 + 2 * i))
+            offs = c * CHUNK + tl.arange(0, CHUNK)
+            mask = offs < unit_words
+            tl.store(dst + d_off + offs, tl.load(src + s_off + offs, mask=mask), mask=mask)
 
     return gather_blocks
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvconnect.cache import KVCache
@@ -71,7 +72,8 @@ def _layer_views(cache: KVCache) -> list[torch.Tensor]:
     return views
 
 
-def scatter(src: KVCache, src_ids: Sequence[int], dst: KVCache, dst_ids: Sequence[int], num_tokens: int,
+def scatter(src: KVCache, src_ids: Sequence[int] | np.ndarray, dst: KVCache, dst_ids: Sequence[int] | np.ndarray,
+            num_tokens: int,
             heads: tuple[int, int]) -> None:
     """Copy tokens [0, num_tokens) of global KV heads `heads` from blocks `src_ids` of `src` (token order) into
     blocks `dst_ids` of `dst`. Runs on the caches' device; the caller synchronises before using `dst`."""

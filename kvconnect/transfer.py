@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from kvconnect.agent import NixlAgent, XferHandle, XferState
 from kvconnect.descriptors import PullPlan, validate_block_ids
@@ -129,8 +130,8 @@ class Pull:
     remote_host: str
     remote_port: int
     remote_request_id: str
-    remote_block_ids: list[int]
-    local_block_ids: list[int]
+    remote_block_ids: np.ndarray  # int64, validated (see from_params), in token order
+    local_block_ids: np.ndarray
     expected_incarnation: str | None
     requested_s: float
     deadline_s: float
@@ -178,8 +179,8 @@ class Pull:
             remote_host=params.remote_host,
             remote_port=params.remote_port,
             remote_request_id=params.remote_request_id,
-            remote_block_ids=remote.tolist(),
-            local_block_ids=local.tolist(),
+            remote_block_ids=remote,
+            local_block_ids=local,
             expected_incarnation=params.remote_incarnation_id,
             requested_s=now,
             deadline_s=now + timeout_s,
