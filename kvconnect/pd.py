@@ -29,13 +29,22 @@ def blocks_to_transfer(num_prompt_tokens: int, block_size: int) -> int:
 
 
 def check_remote_blocks(params: KVTransferParams, num_prompt_tokens: int, block_size: int) -> None:
-    """InvalidRequestError unless the remote blocks are exactly what this prompt needs."""
+    """InvalidRequestError unless the remote blocks are what this prompt needs.
+
+    With `remote_num_tokens` (what our prefill side sends: the tokens its blocks hold) the remote block size
+    may differ from ours, so the count is checked against the remote size when the pull is planned."""
     ids = params.remote_block_ids or []
     field = "kv_transfer_params.remote_block_ids"
     if any(b < 0 for b in ids):
         raise InvalidRequestError(field, f"negative block ids {[b for b in ids if b < 0][:8]}")
     if len(set(ids)) != len(ids):
         raise InvalidRequestError(field, "duplicated block ids")
+    if params.remote_num_tokens is not None:
+        if params.remote_num_tokens != num_prompt_tokens - 1:
+            raise InvalidRequestError("kv_transfer_params.remote_num_tokens",
+                                      f"the blocks hold {params.remote_num_tokens} tokens, but a {num_prompt_tokens}-"
+                                      f"token prompt needs the KV of {num_prompt_tokens - 1}")
+        return
     need = blocks_to_transfer(num_prompt_tokens, block_size)
     have = len(ids)
     if have != need:
@@ -60,7 +69,7 @@ class LeaseKeeper:
         if k == 0:
             return False
         try:
-            self.params = self._connector.lease(request_id, block_ids[:k], num_prompt_tokens)
+            self.params = self._connector.lease(request_id, block_ids[:k], num_prompt_tokens - 1)
         except KVConnectError as e:
             log.error("request %s: cannot lease its blocks: %s", request_id, e)
             self.error = e

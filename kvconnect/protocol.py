@@ -214,7 +214,7 @@ class KVTransferParams(msgspec.Struct):
     tp_size: int = 1  # the prefill's TP size; its rank r listens on remote_port + r (vLLM's convention)
     # kvconnect additions (ignored by vLLM):
     remote_incarnation_id: str | None = None
-    remote_num_tokens: int | None = None
+    remote_num_tokens: int | None = None  # tokens of KV the remote blocks hold (lets block sizes differ)
 
 
 _PULL_FIELDS = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "remote_request_id")

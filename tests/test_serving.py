@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kvconnect.demo import Cluster, complete
-from tests.faultkit import health, poll_until
+from tests.faultkit import health, poll_until, scrape
 
 # 50+ prompts: shorter than a block, exactly a block (16 tokens incl. BOS), many blocks, ragged.
 PROMPTS = (
@@ -51,6 +51,16 @@ def test_disaggregated_equals_aggregated(prefill_layout: str, decode_layout: str
     with Cluster(prefill_layout, decode_layout) as cluster:
         check_all_equal(cluster, PROMPTS)
         poll_until(lambda: health(cluster.urls["prefill"])["leased_blocks"] == 0, what="leases released")
+
+
+def test_prefill_and_decode_with_different_block_sizes() -> None:
+    """Prefill pages 64-token blocks, decode 16-token ones: the pull maps tokens, not blocks."""
+    with Cluster("cross_layer", "blocks_first", extra_args={"prefill": ["--block-size", "64"]}) as cluster:
+        check_all_equal(cluster, PROMPTS[:16])
+        poll_until(lambda: health(cluster.urls["prefill"])["leased_blocks"] == 0, what="leases released")
+        pulls = {dict(labels)["path"]: value for (name, labels), value in scrape(cluster.urls["decode"]).items()
+                 if name == "kvconnect_pulls_by_path_total"}
+        assert set(pulls) <= {"direct", "staging"} and sum(pulls.values()) >= 15, pulls  # (one prompt is short)
 
 
 @pytest.fixture(scope="module")
