@@ -48,6 +48,9 @@ def main() -> None:
     rows = []
     for i in range(40):
         rid = f"r{uuid.uuid4().hex[:6]}"
+        deadline = time.monotonic() + 10  # the last pull's lease ends when its confirmation (not awaited) lands
+        while pre.ask("held") and time.monotonic() < deadline:
+            time.sleep(0.001)
         params = pre.lease(rid, [int(x) for x in rng.permutation(320)[:256]])
         s = dec.pull(params, [int(x) for x in rng.permutation(320)[:256]]).wait(30)
         if i == 9:
