@@ -227,7 +227,7 @@ def test_decode_refusing_a_request_releases_its_lease_at_once(cluster: Cluster) 
     released = metric(cluster.urls["prefill"], "kvconnect_leases_ended", outcome="released")
     params = prefill_leg(cluster.urls["prefill"], PROMPT, "refused-1")
     r = decode_leg(cluster.urls["decode"], "a shorter prompt", params, MAX_TOKENS, "refused-1")
-    assert r["status"] == 400 and r["param"] == "kv_transfer_params.remote_block_ids", r
+    assert r["status"] == 400 and r["param"] == "kv_transfer_params.remote_num_tokens", r  # tokens held != needed
     poll_until(lambda: idle(cluster.urls["prefill"]), timeout_s=TTL_S / 2, what="lease released by decode")
     assert metric(cluster.urls["prefill"], "kvconnect_leases_ended", outcome="released") == released + 1
 
