@@ -64,6 +64,18 @@ def export_region(addr: int) -> tuple[bytes, int]:
     return bytes(handle), addr - base.value  # (.reserved would stop at the first NUL byte)
 
 
+def warm_up(device: Any) -> None:
+    """Compile the gather kernel now (a gather of nothing), so the first same-host peer does not wait for it
+    (~1 s with a cold Triton cache). The current CUDA device must be `device`."""
+    import torch
+
+    words = torch.zeros(_CHUNK_WORDS, dtype=torch.int64, device=device)
+    table = torch.zeros(1, dtype=torch.int64, device=device)
+    ids = torch.zeros(3, dtype=torch.int64, device=device)  # count 0
+    _kernel()[(1,)](words, words, table, table, ids, 1, 1, _CHUNK_WORDS, 1, 1, CHUNK=_CHUNK_WORDS, num_warps=8)
+    torch.cuda.synchronize(device)
+
+
 def host_id() -> str:
     """Identifies the kernel we run on: peers with equal ids may share GPU memory through IPC."""
     try:
@@ -239,7 +251,7 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["nb_src", "nb_dst", "unit_words", "num_units", "chunks"])  # one build for all
     def gather_blocks(src, dst, src_table, dst_table, ids, nb_src, nb_dst, unit_words, num_units, chunks,
                       CHUNK: tl.constexpr):
         # ids = [n, remote_0, local_0, remote_1, local_1, ...]; a fixed grid of programs walks the
