@@ -70,10 +70,6 @@ class Peer:
     def key(self) -> str:
         return f"{self.engine_id}#{self.source.rank}"
 
-    @property
-    def pair(self) -> PairPlan | None:
-        return self.plan.pair if self.plan is not None else None
-
 
 def _list_key(table: UnitTable, spec: CacheSpec) -> tuple:
     return (table.granularity, table.unit_bytes, table.region.tobytes(), table.offset_bytes.tobytes(), spec)

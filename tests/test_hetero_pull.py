@@ -7,7 +7,6 @@ when it holds a copy nobody reads) and its blocks go back.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable
 from contextlib import ExitStack
 
@@ -16,35 +15,13 @@ import numpy as np
 import pytest
 import torch
 
+from kvconnect.bench_pull import free_port_run
 from kvconnect.hetero import plan_sources
 from kvconnect.layout import CacheSpec, LayoutKind
 from tests.faultkit import poll_until
 from tests.peers import PrefillProc, reference_kv
 
 LAYERS, HEAD_DIM, TOKENS, SEED = 3, 8, 150, 11
-
-
-def free_port_run(count: int) -> int:
-    """A base port with `count` consecutive ports free on 127.0.0.1 (ranks listen on base + rank)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count >= 65536:
-            continue
-        socks = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 def spec(kind: LayoutKind, tp: int, rank: int, heads: int, block: int, layout: str, blocks: int,
