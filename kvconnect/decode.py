@@ -34,7 +34,7 @@ from kvconnect.errors import (
 )
 from kvconnect.handshake import PeerChannel
 from kvconnect.hetero import Path, Source, SourcePlan, Sources, plan_source, plan_sources
-from kvconnect.layout import CacheSpec, UnitTable
+from kvconnect.layout import CacheSpec
 from kvconnect.staging import StagingPool, scatter
 from kvconnect.transfer import AbandonedReads, Pull, PullGroup, PullHandle, PullPhase
 
@@ -69,10 +69,6 @@ class Peer:
     @property
     def key(self) -> str:
         return f"{self.engine_id}#{self.source.rank}"
-
-
-def _list_key(table: UnitTable, spec: CacheSpec) -> tuple:
-    return (table.granularity, table.unit_bytes, table.region.tobytes(), table.offset_bytes.tobytes(), spec)
 
 
 class DecodeSide:
@@ -112,15 +108,12 @@ class DecodeSide:
         else:
             group = PullGroup(pull, len(sources.reads))
             parts = [pull.part(source, group) for source in sources.reads]
-        release = [p.KVTransferParams(remote_engine_id=pull.remote_engine_id, remote_host=pull.remote_host,
-                                      remote_port=params.remote_port, remote_request_id=pull.remote_request_id,
-                                      tp_size=pull.remote_tp) for _ in sources.release_only]
 
         def start() -> None:
             for part in parts:
                 self._start(part)
-            for rank, msg in zip(sources.release_only, release, strict=True):
-                self._send_release_to(msg, rank)  # copies of heads nobody reads: free them now
+            for rank in sources.release_only:
+                self._send_release_to(params, rank)  # copies of heads nobody reads: free them now
 
         conn._call(start)
         return pull.handle
@@ -223,8 +216,12 @@ class DecodeSide:
             else:
                 self._post(peer, pull)
 
-    def _local_key(self, plan: SourcePlan) -> tuple:
-        return _list_key(plan.pair.local_units, plan.pair.local_spec)
+    @staticmethod
+    def _local_key(plan: SourcePlan) -> tuple:
+        """Identifies a local prepared list: plans with equal local unit tables share one."""
+        table = plan.pair.local_units
+        return (table.granularity, table.unit_bytes, table.region.tobytes(), table.offset_bytes.tobytes(),
+                plan.pair.local_spec)
 
     def _try_ipc(self, peer: Peer, info: p.PeerInfo, pair: PairPlan) -> None:
         """Use the IPC gather for a same-host GPU peer when allowed; NIXL stays as the fallback."""
@@ -370,9 +367,7 @@ class DecodeSide:
         self._release_xfer(pull)
         if pull.staging_ids is not None:
             error = self._scatter(pull)
-            if pull.on_settled is not None:
-                pull.on_settled()
-                pull.on_settled = None
+            pull.run_on_settled()
             if error is not None:
                 self._fail(pull, error)
                 return
@@ -547,9 +542,8 @@ class DecodeSide:
         rank = pull.source.rank if pull.source is not None else 0
         log.warning("pull %s from %s failed: %s%s", pull.handle.request_id, pull.remote_engine_id, error,
                     f" (prefill rank {rank})" if rank else "")
-        if pull.staging_ids is not None and pull.xfer is None and pull.on_settled is not None:
-            pull.on_settled()  # no READ can land in its staging blocks any more
-            pull.on_settled = None
+        if pull.xfer is None:
+            pull.run_on_settled()  # no READ can land in its staging blocks any more
         pull.finish(error)
         self._report(pull, error)
 

@@ -101,7 +101,11 @@ class SourcePlan:
     path: Path
     pair: PairPlan
     reason: str  # why this path, for logs and the pull stats
-    staging_spec: CacheSpec | None = None
+
+    @property
+    def staging_spec(self) -> CacheSpec | None:
+        """The staging cache's spec (the local side of `pair`) on the staging path."""
+        return self.pair.local_spec if self.path is Path.STAGING else None
 
     @property
     def descs_per_block(self) -> int:
@@ -246,4 +250,4 @@ def plan_source(local: CacheSpec, remote: CacheSpec, source: Source, path: str =
     if path == "auto" and t_direct <= t_staging:
         return SourcePlan(source, Path.DIRECT, direct, f"{why}; {costs}")
     forced = " (forced)" if path == "staging" else ""
-    return SourcePlan(source, Path.STAGING, staged, f"{why}; {costs}{forced}", stage)
+    return SourcePlan(source, Path.STAGING, staged, f"{why}; {costs}{forced}")

@@ -152,6 +152,12 @@ class Pull:
     pin: str = ""  # "" (not asked), "sent", "held", or how the lease had ended when the PIN arrived
     pin_until_s: float = 0.0  # our (conservative) end of the pin
 
+    def run_on_settled(self) -> None:
+        """Run the `on_settled` hook once: no READ can write into this pull's blocks any more."""
+        hook, self.on_settled = self.on_settled, None
+        if hook is not None:
+            hook()
+
     @property
     def peer_key(self) -> str:
         rank = self.source.rank if self.source is not None else 0
@@ -294,6 +300,4 @@ class AbandonedReads:
 
 def _settle(pull: Pull) -> None:
     pull.handle._settled.set()
-    if pull.on_settled is not None:
-        pull.on_settled()
-        pull.on_settled = None
+    pull.run_on_settled()
