@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvconnect.errors import LeaseError
 from kvconnect.protocol import LeaseState
@@ -34,7 +34,7 @@ class Lease:
     state: LeaseState = LeaseState.HELD
     ended_s: float = 0.0
     readers_done: frozenset[int] = frozenset()  # decode ranks done reading, when several read it
-    pins: dict[int, float] | None = None  # reader -> pinned until (clock time)
+    pins: dict[int, float] = field(default_factory=dict)  # reader -> pinned until (clock time)
     deferred: bool = False  # ended while pinned: blocks go back when the last pin ends
     deferred_scrub: Callable[[list[int]], None] | None = None
 
@@ -79,7 +79,7 @@ class LeaseTable:
     def held(self) -> list[Lease]:
         """Snapshot of the leases still held."""
         with self._lock:
-            return [Lease(**{**vars(x), "pins": dict(x.pins or {})}) for x in self._leases.values()
+            return [Lease(**{**vars(x), "pins": dict(x.pins)}) for x in self._leases.values()
                     if x.state is LeaseState.HELD]
 
     # --- transitions -------------------------------------------------------------------------------
@@ -114,9 +114,7 @@ class LeaseTable:
                 self._expire_on_read -= 1
                 injected = True
             else:
-                pins = lease.pins if lease.pins is not None else {}
-                pins[reader] = max(pins.get(reader, 0.0), self._clock() + pin_s)
-                lease.pins = pins
+                lease.pins[reader] = max(lease.pins.get(reader, 0.0), self._clock() + pin_s)
                 return LeaseState.HELD
         if injected:
             log.warning("lease %s expired as its read was pinned (fault injection)", request_id)
@@ -126,7 +124,7 @@ class LeaseTable:
         """`reader` no longer reads: drop its pin (and hand back the blocks of a lease that ended meanwhile)."""
         with self._lock:
             lease = self._leases.get(request_id)
-            if lease is None or not lease.pins or reader not in lease.pins:
+            if lease is None or reader not in lease.pins:
                 return
             del lease.pins[reader]
             freeing = self._take_deferred(lease)
@@ -142,9 +140,8 @@ class LeaseTable:
             lease = self._leases.get(request_id)
             if lease is None:
                 return LeaseState.UNKNOWN
-            pinned = bool(lease.pins) and reader in (lease.pins or {})
+            pinned = reader in lease.pins
             if pinned:
-                assert lease.pins is not None
                 del lease.pins[reader]  # this reader is done either way
             if lease.state is not LeaseState.HELD:
                 if not pinned:
