@@ -167,29 +167,23 @@ class PairPlan:
 
     def order_checked(self, local_ids: Sequence[int] | np.ndarray,
                       remote_ids: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """`validate` for ids that already passed `validate_block_ids` (integers, non-negative, unique, equal
-        counts) against an unknown remote size: only the upper bounds remain to check. The hot path."""
-        local = np.asarray(local_ids, dtype=np.int64)
-        remote = np.asarray(remote_ids, dtype=np.int64)
-        for field, ids, bound in (("local_block_ids", local, self.local_spec.num_blocks),
-                                  ("remote_block_ids", remote, self.remote_spec.num_blocks)):
-            if ids.size and int(ids.max()) >= bound:
-                raise InvalidRequestError(field, f"block ids {ids[ids >= bound][:8].tolist()} outside [0, {bound})")
+        """`validate` for ids that already passed `validate_block_ids` (integers, non-negative, unique) against
+        an unknown remote size: `bounds_checked`, then pairs sorted by remote id (block for block). The hot path."""
+        local, remote = self.bounds_checked(np.asarray(local_ids, dtype=np.int64),
+                                            np.asarray(remote_ids, dtype=np.int64))
         if not self.block_for_block:
             return local, remote
-        if local.size != remote.size:
-            raise InvalidRequestError("remote_block_ids", f"{remote.size} remote blocks for {local.size} local blocks")
         order = np.argsort(remote, kind="stable")
         return local[order], remote[order]
 
     def bounds_checked(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """`order_checked` without the sort, for a block-for-block copy whose issue order does not matter
-        (the IPC gather: one kernel, no runs to merge)."""
+        """The checks left after `validate_block_ids`: upper bounds on both sides and, block for block, equal
+        counts. Unsorted, for a copy whose issue order does not matter (the IPC gather: one kernel)."""
         for field, ids, bound in (("local_block_ids", local_ids, self.local_spec.num_blocks),
                                   ("remote_block_ids", remote_ids, self.remote_spec.num_blocks)):
             if ids.size and int(ids.max()) >= bound:
                 raise InvalidRequestError(field, f"block ids {ids[ids >= bound][:8].tolist()} outside [0, {bound})")
-        if local_ids.size != remote_ids.size:
+        if self.block_for_block and local_ids.size != remote_ids.size:
             raise InvalidRequestError("remote_block_ids",
                                       f"{remote_ids.size} remote blocks for {local_ids.size} local blocks")
         return local_ids, remote_ids
