@@ -194,13 +194,14 @@ class CostModel:
             return cls(desc_s=4.6e-6, link_bps=350e9, scatter_bps=140e9)
         return cls(desc_s=4.6e-6, link_bps=6e9, scatter_bps=2.5e9)
 
-    def direct_s(self, pair: PairPlan) -> float:
+    def read_s(self, pair: PairPlan) -> float:
+        """One remote block's READ under `pair` (the whole direct path)."""
         units = pair.remote_units.num_units  # pieces per remote block
         return units * self.desc_s + units * pair.unit_bytes / self.link_bps
 
     def staging_s(self, pair: PairPlan, useful_bytes: int) -> float:
-        units = pair.remote_units.num_units
-        return units * self.desc_s + units * pair.unit_bytes / self.link_bps + useful_bytes / self.scatter_bps
+        """The READ into staging, then scattering the useful bytes."""
+        return self.read_s(pair) + useful_bytes / self.scatter_bps
 
 
 def _why(local: CacheSpec, remote: CacheSpec, heads: tuple[int, int]) -> str:
@@ -244,7 +245,7 @@ def plan_source(local: CacheSpec, remote: CacheSpec, source: Source, path: str =
     staged = PairPlan.build(stage, remote)
     model = CostModel.for_device(local.device)
     useful = direct.remote_units.num_units * direct.unit_bytes
-    t_direct, t_staging = model.direct_s(direct), model.staging_s(staged, useful)
+    t_direct, t_staging = model.read_s(direct), model.staging_s(staged, useful)
     costs = f"est. per block: direct {t_direct * 1e6:.0f} us ({direct.remote_units.num_units} x " \
             f"{direct.unit_bytes} B), staging {t_staging * 1e6:.0f} us"
     if path == "auto" and t_direct <= t_staging:
