@@ -40,4 +40,4 @@ wheel=$(find "$wheels" -name 'kvconnect-*.whl' | head -n 1)
 # 3. fail the build, not the first request: dependencies consistent, entry point and modules importable
 "${pip[@]}" check
 "$venv/bin/kvconnect" --help >/dev/null
-"$venv/bin/python" -c "import kvconnect.server, kvconnect.proxy; from kvconnect.agent import nixl_module; nixl_module()"
+"$venv/bin/python" -c "import kvconnect.serving.server, kvconnect.serving.proxy; from kvconnect.core.agent import nixl_module; nixl_module()"

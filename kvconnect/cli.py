@@ -13,11 +13,11 @@ import os
 import sys
 
 SUBCOMMANDS = {
-    "serve": ("kvconnect.server", "run an OpenAI-compatible prefill, decode or aggregated worker"),
-    "proxy": ("kvconnect.proxy", "run the llm-d style prefill/decode proxy"),
-    "demo": ("kvconnect.demo", "start a local prefill+decode+proxy and check disagg == agg"),
-    "bench": ("kvconnect.bench", "KV-shaped transfer benchmark against a same-run copy ceiling"),
-    "verdict": ("kvconnect.verdict", "time a NIXL READ against a copy and name the UCX transport (JSON)"),
+    "serve": ("kvconnect.serving.server", "run an OpenAI-compatible prefill, decode or aggregated worker"),
+    "proxy": ("kvconnect.serving.proxy", "run the llm-d style prefill/decode proxy"),
+    "demo": ("kvconnect.serving.demo", "start a local prefill+decode+proxy and check disagg == agg"),
+    "bench": ("kvconnect.bench.run", "KV-shaped transfer benchmark against a same-run copy ceiling"),
+    "verdict": ("kvconnect.bench.verdict", "time a NIXL READ against a copy and name the UCX transport (JSON)"),
 }
 
 

@@ -9,10 +9,10 @@ import time
 import numpy as np
 import torch
 
-from kvconnect import peer_copy
-from kvconnect.cache import KVCache
-from kvconnect.descriptors import PairPlan
-from kvconnect.layout import CacheSpec, LayoutKind
+from kvconnect.core.cache import KVCache
+from kvconnect.core.descriptors import PairPlan
+from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.transports import ipc_gather as peer_copy
 
 
 def timed(fn, n=200):

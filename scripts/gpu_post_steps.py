@@ -12,12 +12,12 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from kvconnect import peer_copy
-from kvconnect.cache import KVCache
-from kvconnect.config import connector_config
-from kvconnect.connector import KVConnector
-from kvconnect.descriptors import PairPlan
-from kvconnect.layout import CacheSpec, LayoutKind
+from kvconnect.core.cache import KVCache
+from kvconnect.core.config import connector_config
+from kvconnect.core.connector import KVConnector
+from kvconnect.core.descriptors import PairPlan
+from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.transports import ipc_gather as peer_copy
 from tests.peers import PrefillProc
 
 steps: dict[str, list[float]] = defaultdict(list)

@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from kvconnect.layout import CacheSpec
+from kvconnect.core.layout import CacheSpec
 
 UCX_VARS = ("UCX_TLS", "UCX_NET_DEVICES", "NIXL_LOG_LEVEL", "UCX_CUDA_IPC_MAX_STREAMS")
 
@@ -18,9 +18,9 @@ def _prefill_main(conn: Any, spec_raw: bytes, seed: int, config_raw: dict, env: 
     os.environ.update(env)
     import torch
 
-    from kvconnect.cache import KVCache
-    from kvconnect.config import connector_config
-    from kvconnect.connector import KVConnector
+    from kvconnect.core.cache import KVCache
+    from kvconnect.core.config import connector_config
+    from kvconnect.core.connector import KVConnector
 
     spec = msgspec.msgpack.decode(spec_raw, type=CacheSpec)
     if device and device.startswith("cuda"):
@@ -48,7 +48,7 @@ def reference_kv(seed: int, num_tokens: int, spec: CacheSpec) -> Any:
     rank of a TP group holds its slice of (deterministic in `seed`)."""
     import torch
 
-    from kvconnect.cache import TORCH_DTYPES
+    from kvconnect.core.cache import TORCH_DTYPES
 
     gen = torch.Generator(device="cpu").manual_seed(seed)
     shape = (num_tokens, spec.num_layers, 2, spec.model_kv_heads, spec.head_dim)
@@ -107,8 +107,8 @@ def _serve(cmd: str, args: list, conn: Any, connector: Any, cache: Any, spec: Ca
     elif cmd == "tokens":  # (block_ids, num_tokens)
         conn.send(rank_tokens(cache, *args))
     elif cmd == "pull":  # (kv_transfer_params as JSON, local block ids): ("ok", stats) or ("failed", class, text)
-        from kvconnect.errors import KVConnectError
-        from kvconnect.protocol import KVTransferParams
+        from kvconnect.core.errors import KVConnectError
+        from kvconnect.core.protocol import KVTransferParams
 
         params = msgspec.json.decode(args[0], type=KVTransferParams)
         try:
@@ -164,7 +164,7 @@ class PrefillProc:
         return answer
 
     def lease(self, request_id: str, block_ids: list[int]):
-        from kvconnect.protocol import KVTransferParams
+        from kvconnect.core.protocol import KVTransferParams
 
         return msgspec.json.decode(self.ask("lease", request_id, block_ids), type=KVTransferParams)
 

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvconnect import bench
-from kvconnect.bench_pull import (
+from kvconnect.bench.pull import (
     CaseKey,
     PrefillGroup,
     cache_blocks_for,
@@ -24,13 +23,14 @@ from kvconnect.bench_pull import (
     verify,
     verify_tokens,
 )
-from kvconnect.bench_report import BenchOptions, Geometry, read_json
-from kvconnect.cache import KVCache
+from kvconnect.bench.report import BenchOptions, Geometry, read_json
+from kvconnect.bench.run import run as bench
 from kvconnect.cli import build_parser, main
-from kvconnect.config import ConnectorConfig
-from kvconnect.errors import ConfigError, TransferError
-from kvconnect.layout import CacheSpec, LayoutKind
-from kvconnect.staging import scatter
+from kvconnect.core.cache import KVCache
+from kvconnect.core.config import ConnectorConfig
+from kvconnect.core.errors import ConfigError, TransferError
+from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.staging import scatter
 
 SMALL = Geometry(model="small", num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16", block_size=16)
 

@@ -37,7 +37,7 @@ import httpx
 import pytest
 import yaml
 
-from kvconnect.config import ConnectorConfig
+from kvconnect.core.config import ConnectorConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker" / "docker-compose.yml"

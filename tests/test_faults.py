@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from kvconnect.demo import Cluster, complete
+from kvconnect.serving.demo import Cluster, complete
 from tests.faultkit import (
     decode_leg,
     health,
@@ -276,8 +276,8 @@ def httpx_post(url: str, body: dict) -> dict:
 def test_without_confirmation_an_expired_lease_would_be_served() -> None:
     """The hazard the tests above guard against, shown at connector level: with the lease confirmation
     turned off, a pull of an expired, reused lease "succeeds" with someone else's bytes."""
-    from kvconnect.errors import LeaseLostError
-    from kvconnect.layout import LayoutKind
+    from kvconnect.core.errors import LeaseLostError
+    from kvconnect.core.layout import LayoutKind
     from tests.peers import PrefillProc
     from tests.test_pull import decoder, spec
 
@@ -306,9 +306,9 @@ def test_abandoned_read_lands_after_release_so_blocks_are_held_until_it_ends(mon
     a SIGSTOPped peer still writes into the local blocks once the peer resumes, although its NIXL handle
     deadline passed; the handle reports unsettled until that READ has ended."""
     monkeypatch.setenv("UCX_TLS", "tcp")  # both agents: cma would read the stopped process's memory anyway
-    from kvconnect.demo import wait_stopped
-    from kvconnect.errors import TransferTimeoutError
-    from kvconnect.layout import LayoutKind
+    from kvconnect.core.errors import TransferTimeoutError
+    from kvconnect.core.layout import LayoutKind
+    from kvconnect.serving.demo import wait_stopped
     from tests.peers import PrefillProc
     from tests.test_pull import decoder, spec
 
@@ -344,9 +344,9 @@ def test_pull_waiting_on_a_peer_that_moved_fails_instead_of_hanging() -> None:
     waiting for the old address's handshake were orphaned when the peer was replaced, and hung forever."""
     import socket
 
-    from kvconnect.errors import PeerGoneError
-    from kvconnect.layout import LayoutKind
-    from kvconnect.protocol import KVTransferParams
+    from kvconnect.core.errors import PeerGoneError
+    from kvconnect.core.layout import LayoutKind
+    from kvconnect.core.protocol import KVTransferParams
     from tests.peers import PrefillProc
     from tests.test_pull import decoder, spec
 

@@ -11,10 +11,10 @@ import msgspec
 import pytest
 import zmq
 
-from kvconnect import protocol as p
-from kvconnect.errors import AuthError, HandshakeError, HandshakeTimeoutError
-from kvconnect.handshake import PeerChannel, SideChannelServer, request, zmq_address
-from kvconnect.layout import CacheSpec, LayoutKind
+from kvconnect.core import protocol as p
+from kvconnect.core.errors import AuthError, HandshakeError, HandshakeTimeoutError
+from kvconnect.core.handshake import PeerChannel, SideChannelServer, request, zmq_address
+from kvconnect.core.layout import CacheSpec, LayoutKind
 
 SPEC = CacheSpec(kind=LayoutKind.BLOCKS_FIRST, dtype="float16", num_layers=2, num_blocks=8, block_size=16,
                  num_kv_heads=1, head_dim=8)

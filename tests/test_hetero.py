@@ -16,12 +16,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvconnect.cache import KVCache
-from kvconnect.descriptors import PairPlan
-from kvconnect.errors import InvalidRequestError, LayoutMismatchError
-from kvconnect.hetero import Path, plan_source, plan_sources
-from kvconnect.layout import CacheSpec, LayoutKind
-from kvconnect.staging import scatter
+from kvconnect.core.cache import KVCache
+from kvconnect.core.descriptors import PairPlan
+from kvconnect.core.errors import InvalidRequestError, LayoutMismatchError
+from kvconnect.core.hetero import Path, plan_source, plan_sources
+from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.staging import scatter
 
 KINDS = list(LayoutKind)
 TP_PAIRS = [(1, 2), (2, 1), (1, 4), (4, 1), (2, 4), (4, 2)]  # (prefill, decode)

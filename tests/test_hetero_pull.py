@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvconnect.bench_pull import free_port_run
-from kvconnect.hetero import plan_sources
-from kvconnect.layout import CacheSpec, LayoutKind
+from kvconnect.bench.pull import free_port_run
+from kvconnect.core.hetero import plan_sources
+from kvconnect.core.layout import CacheSpec, LayoutKind
 from tests.faultkit import poll_until
 from tests.peers import PrefillProc, reference_kv
 
@@ -111,8 +111,8 @@ def test_tp_size_that_cannot_split_the_heads_is_refused_naming_it() -> None:
 
 
 def test_pull_paths_reach_the_metrics() -> None:
-    from kvconnect.metrics import WorkerMetrics
-    from kvconnect.transfer import PullStats
+    from kvconnect.core.pull import PullStats
+    from kvconnect.serving.metrics import WorkerMetrics
 
     metrics = WorkerMetrics()
     metrics.on_pull_done(PullStats("r", "p", path="staging", num_sources=2, scatter_s=0.002), None)
@@ -122,10 +122,10 @@ def test_pull_paths_reach_the_metrics() -> None:
 
 
 def test_pair_needing_staging_is_refused_at_handshake_when_staging_is_off() -> None:
-    from kvconnect.cache import KVCache
-    from kvconnect.config import connector_config
-    from kvconnect.connector import KVConnector
-    from kvconnect.errors import LayoutMismatchError
+    from kvconnect.core.cache import KVCache
+    from kvconnect.core.config import connector_config
+    from kvconnect.core.connector import KVConnector
+    from kvconnect.core.errors import LayoutMismatchError
 
     with ExitStack() as stack:
         pre = PrefillProc.start(spec(LayoutKind.CROSS_LAYER, 1, 0, 4, 16, "NHD", 8))

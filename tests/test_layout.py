@@ -10,10 +10,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvconnect.cache import KVCache
-from kvconnect.descriptors import PairPlan, merge_runs, strided_descriptor_array
-from kvconnect.errors import InvalidRequestError, LayoutError, LayoutMismatchError
-from kvconnect.layout import DTYPE_BYTES, CacheSpec, Granularity, LayoutKind, check_compatible
+from kvconnect.core.cache import KVCache
+from kvconnect.core.descriptors import PairPlan, merge_runs, strided_descriptor_array
+from kvconnect.core.errors import InvalidRequestError, LayoutError, LayoutMismatchError
+from kvconnect.core.layout import DTYPE_BYTES, CacheSpec, Granularity, LayoutKind, check_compatible
 
 KINDS = list(LayoutKind)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvconnect.errors import LeaseError
-from kvconnect.lease import LeaseTable
-from kvconnect.protocol import LeaseState
+from kvconnect.core.errors import LeaseError
+from kvconnect.core.lease import LeaseTable
+from kvconnect.core.protocol import LeaseState
 
 
 class Clock:

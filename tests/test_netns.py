@@ -38,9 +38,9 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
-from kvconnect.config import connector_config
-from kvconnect.demo import complete
-from kvconnect.errors import ConfigError
+from kvconnect.core.config import connector_config
+from kvconnect.core.errors import ConfigError
+from kvconnect.serving.demo import complete
 
 pytestmark = pytest.mark.netns
 T = TypeVar("T")

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvconnect import protocol as p
-from kvconnect.errors import InvalidRequestError, ProtocolError
-from kvconnect.layout import CacheSpec, LayoutKind
+from kvconnect.core import protocol as p
+from kvconnect.core.errors import InvalidRequestError, ProtocolError
+from kvconnect.core.layout import CacheSpec, LayoutKind
 
 GOOD = {
     "do_remote_prefill": True,

@@ -9,17 +9,17 @@ import uuid
 import numpy as np
 import pytest
 
-from kvconnect.cache import KVCache
-from kvconnect.config import connector_config
-from kvconnect.connector import KVConnector
-from kvconnect.errors import (
+from kvconnect.core.cache import KVCache
+from kvconnect.core.config import connector_config
+from kvconnect.core.connector import KVConnector
+from kvconnect.core.errors import (
     AuthError,
     HandshakeTimeoutError,
     InvalidRequestError,
     LayoutMismatchError,
     LeaseLostError,
 )
-from kvconnect.layout import CacheSpec, LayoutKind
+from kvconnect.core.layout import CacheSpec, LayoutKind
 from tests.faultkit import poll_until
 from tests.peers import PrefillProc
 
@@ -153,7 +153,7 @@ def test_dead_prefill_address_fails_within_deadline() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    from kvconnect.protocol import KVTransferParams
+    from kvconnect.core.protocol import KVTransferParams
 
     params = KVTransferParams(do_remote_prefill=True, remote_engine_id="ghost", remote_block_ids=[1],
                               remote_host="127.0.0.1", remote_port=port, remote_request_id="r")

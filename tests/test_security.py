@@ -18,12 +18,12 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvconnect import openai_api as api
-from kvconnect import protocol as p
-from kvconnect.demo import Cluster
-from kvconnect.errors import AuthError, InvalidRequestError, ProtocolError
-from kvconnect.handshake import request as side_request
-from kvconnect.handshake import zmq_address
+from kvconnect.core import protocol as p
+from kvconnect.core.errors import AuthError, InvalidRequestError, ProtocolError
+from kvconnect.core.handshake import request as side_request
+from kvconnect.core.handshake import zmq_address
+from kvconnect.serving import openai_api as api
+from kvconnect.serving.demo import Cluster
 from tests.faultkit import decode_leg, health, idle, metric, poll_until, prefill_leg, reference
 
 SECRET = "kvconnect-test-secret"
@@ -236,7 +236,7 @@ def test_reply_decoder_fuzz_random_bytes(data: bytes) -> None:
 
 
 def _valid_replies() -> list[bytes]:
-    from kvconnect.layout import CacheSpec, LayoutKind
+    from kvconnect.core.layout import CacheSpec, LayoutKind
 
     spec = CacheSpec(kind=LayoutKind.CROSS_LAYER, dtype="float16", num_layers=2, num_blocks=4, block_size=16,
                      num_kv_heads=1, head_dim=8)

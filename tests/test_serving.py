@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from kvconnect.demo import Cluster, complete
+from kvconnect.serving.demo import Cluster, complete
 from tests.faultkit import health, poll_until, scrape
 
 # 50+ prompts: shorter than a block, exactly a block (16 tokens incl. BOS), many blocks, ragged.
@@ -137,7 +137,7 @@ def test_proxy_ignores_client_chosen_destinations(cluster: Cluster) -> None:
 
 
 def test_proxy_does_not_import_nixl() -> None:
-    code = "import sys, kvconnect.proxy; bad = [m for m in sys.modules if m.startswith('nixl')]; print(bad)"
+    code = "import sys, kvconnect.serving.proxy; bad = [m for m in sys.modules if m.startswith('nixl')]; print(bad)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
 

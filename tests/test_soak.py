@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvconnect.demo import Cluster
+from kvconnect.serving.demo import Cluster
 from tests.faultkit import health, idle, log_text, poll_until, scrape
 
 NUM_REQUESTS = int(os.environ.get("KVCONNECT_SOAK_REQUESTS", "200"))

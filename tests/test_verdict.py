@@ -12,10 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvconnect.config import connector_config
-from kvconnect.demo import free_port
-from kvconnect.errors import ConfigError
-from kvconnect.verdict import ProtoUse, calibrate, check_transport, parse_proto_tables, read_transports
+from kvconnect.bench.verdict import ProtoUse, calibrate, check_transport, parse_proto_tables, read_transports
+from kvconnect.core.config import connector_config
+from kvconnect.core.errors import ConfigError
+from kvconnect.serving.demo import free_port
 from tests.faultkit import poll_until, scrape
 
 MiB = 2**20

@@ -13,7 +13,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from kvconnect.errors import LocalError
+from kvconnect.core.errors import LocalError
 
 
 class BlockAllocationError(LocalError):

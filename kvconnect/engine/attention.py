@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kvconnect.errors import ConfigError, LocalError
+from kvconnect.core.errors import ConfigError, LocalError
 
 logger = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvconnect.core.errors import ConfigError
+from kvconnect.core.layout import CacheSpec, LayoutKind
 from kvconnect.engine.tokenizer import VOCAB_SIZE
-from kvconnect.errors import ConfigError
-from kvconnect.layout import CacheSpec, LayoutKind
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 

@@ -15,7 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from kvconnect.cache import TORCH_DTYPES, KVCache
+from kvconnect.core.cache import TORCH_DTYPES, KVCache
+from kvconnect.core.errors import InvalidRequestError, LocalError
 from kvconnect.engine.allocator import BlockAllocator
 from kvconnect.engine.attention import (
     AttentionBackend,
@@ -31,7 +32,6 @@ from kvconnect.engine.sampling import SamplingParams, sample
 from kvconnect.engine.scheduler import Scheduler
 from kvconnect.engine.sequence import FinishReason, Sequence, TokenEvent
 from kvconnect.engine.tokenizer import ByteTokenizer
-from kvconnect.errors import InvalidRequestError, LocalError
 
 logger = logging.getLogger(__name__)
 

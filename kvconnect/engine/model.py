@@ -17,10 +17,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvconnect.cache import KVCache
+from kvconnect.core.cache import KVCache
+from kvconnect.core.errors import LayoutError
 from kvconnect.engine.attention import PagedBatch, aligned, paged_attention, write_kv
 from kvconnect.engine.config import ModelConfig
-from kvconnect.errors import LayoutError
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvconnect.errors import InvalidRequestError
+from kvconnect.core.errors import InvalidRequestError
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily
 

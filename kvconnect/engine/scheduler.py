@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from kvconnect.core.errors import KVConnectError
 from kvconnect.engine.allocator import BlockAllocator, OutOfBlocksError
 from kvconnect.engine.hooks import LoadFailurePolicy
 from kvconnect.engine.sequence import FinishReason, SeqStatus, Sequence
-from kvconnect.errors import KVConnectError
 
 logger = logging.getLogger(__name__)
 

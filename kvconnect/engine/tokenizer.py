@@ -10,7 +10,7 @@ import codecs
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvconnect.errors import InvalidRequestError
+from kvconnect.core.errors import InvalidRequestError
 
 BYTE_VOCAB_SIZE = 256
 BOS_ID = 256

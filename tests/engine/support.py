@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 import torch
 
+from kvconnect.core.errors import KVConnectError
+from kvconnect.core.layout import LayoutKind
 from kvconnect.engine import Engine, EngineConfig, ModelConfig, SamplingParams, TokenEvent
 from kvconnect.engine.model import LlamaModel, apply_rope, rms_norm
-from kvconnect.errors import KVConnectError
-from kvconnect.layout import LayoutKind
 
 DEADLINE_S = 30.0
 LAYOUTS = list(LayoutKind)

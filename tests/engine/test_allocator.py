@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvconnect.core.errors import LocalError
 from kvconnect.engine import BlockAllocationError, BlockAllocator, OutOfBlocksError
-from kvconnect.errors import LocalError
 
 
 def test_allocate_and_free() -> None:

@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvconnect.cache import KVCache
+from kvconnect.core.cache import KVCache
+from kvconnect.core.errors import ConfigError
+from kvconnect.core.layout import CacheSpec, LayoutKind
 from kvconnect.engine.attention import (
     AttentionBackend,
     BatchItem,
@@ -17,8 +19,6 @@ from kvconnect.engine.attention import (
     select_backend,
     write_kv,
 )
-from kvconnect.errors import ConfigError
-from kvconnect.layout import CacheSpec, LayoutKind
 
 from .support import LAYOUTS
 

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvconnect.core.errors import PeerGoneError, TransferError
+from kvconnect.core.layout import LayoutKind
 from kvconnect.engine import Engine
-from kvconnect.errors import PeerGoneError, TransferError
-from kvconnect.layout import LayoutKind
 
 from .support import CopyLoader, RecordingKeeper, generate, prompt, small_config, submit, wait_until
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from kvconnect.core.errors import ConfigError, InvalidRequestError
 from kvconnect.engine import (
     EOS_ID,
     Engine,
@@ -19,7 +20,6 @@ from kvconnect.engine import (
     SamplingParams,
 )
 from kvconnect.engine.attention import BatchItem, build_batch
-from kvconnect.errors import ConfigError, InvalidRequestError
 
 from .support import DEADLINE_S, LAYOUTS, Collector, generate, prompt, small_config, submit, wait_until
 

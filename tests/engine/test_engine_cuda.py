@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvconnect.core.layout import LayoutKind
 from kvconnect.engine import Engine
-from kvconnect.layout import LayoutKind
 
 from .support import CopyLoader, RecordingKeeper, generate, prompt, small_config, submit
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvconnect.cache import KVCache
+from kvconnect.core.cache import KVCache
+from kvconnect.core.layout import CacheSpec, LayoutKind
 from kvconnect.engine import ModelConfig
 from kvconnect.engine.attention import BatchItem, build_batch
 from kvconnect.engine.model import LlamaModel
-from kvconnect.layout import CacheSpec, LayoutKind
 
 from .support import LAYOUTS, dense_logits, prompt
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvconnect.core.errors import InvalidRequestError
 from kvconnect.engine import BOS_ID, EOS_ID, ByteTokenizer, ChatMessage
-from kvconnect.errors import InvalidRequestError
 
 tok = ByteTokenizer()
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvconnect.cache import KVCache
-from kvconnect.config import connector_config
-from kvconnect.connector import KVConnector
-from kvconnect.layout import CacheSpec, LayoutKind
+from kvconnect.core.cache import KVCache
+from kvconnect.core.config import connector_config
+from kvconnect.core.connector import KVConnector
+from kvconnect.core.layout import CacheSpec, LayoutKind
 from tests.peers import PrefillProc
 
 pytestmark = [

@@ -11,7 +11,7 @@ worker prints, when it is destroyed, a table of the protocols it actually used, 
 
 The Config column names `transport/device` (`cma/memory`, `tcp/lo`, `cuda_ipc/cuda`, `rc_mlx5/mlx5_0:1`,
 or `66% on cma/memory and 34% on rc_mlx5/mlx5_0:1` for several rails). So `calibrate()` runs the
-measurement in a child process (`python -m kvconnect.verdict`) with that variable set and UCX's log sent to
+measurement in a child process (`python -m kvconnect.bench.verdict`) with that variable set and UCX's log sent to
 a file (`UCX_LOG_FILE`) in a scratch directory, then reads the READ's table from it; when there is none it
 reports "unknown". The child spawns a second process that owns the scratch buffer, so the READ crosses
 processes as a real pull does (two agents of one process are not what a pull sees: UCX refuses cuda_ipc
@@ -40,9 +40,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvconnect.agent import MemKind, NixlAgent, XferState
-from kvconnect.config import ConnectorConfig, env_setting
-from kvconnect.errors import ConfigError, KVConnectError, NixlError
+from kvconnect.core.agent import MemKind, NixlAgent, XferState
+from kvconnect.core.config import ConnectorConfig, env_setting
+from kvconnect.core.errors import ConfigError, KVConnectError, NixlError
 
 log = logging.getLogger(__name__)
 
@@ -271,8 +271,8 @@ def measure(device: str, peer_device: str, nbytes: int, reps: int, timeout_s: fl
 
 
 def child_main(argv: list[str]) -> int:
-    """`python -m kvconnect.verdict --out PATH ...`: measure and write the verdict as JSON to PATH."""
-    p = argparse.ArgumentParser(prog="python -m kvconnect.verdict")
+    """`python -m kvconnect.bench.verdict --out PATH ...`: measure and write the verdict as JSON to PATH."""
+    p = argparse.ArgumentParser(prog="python -m kvconnect.bench.verdict")
     add_arguments(p)  # the parent passes every value explicitly
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -312,7 +312,7 @@ def calibrate(device: str = "cpu", peer_device: str = "", nbytes: int = 0, reps:
         out = os.path.join(tmp, "verdict.json")
         child_env = {**os.environ, "NIXL_LOG_LEVEL": "WARN", **(env or {}),
                      "UCX_PROTO_INFO": "used", "UCX_LOG_FILE": os.path.join(tmp, "ucx.%p")}
-        cmd = [sys.executable, "-m", "kvconnect.verdict", "--device", device, "--peer-device", peer_device,
+        cmd = [sys.executable, "-m", "kvconnect.bench.verdict", "--device", device, "--peer-device", peer_device,
                "--bytes", str(nbytes), "--reps", str(reps), "--timeout-s", str(timeout_s), "--out", out]
         try:
             proc = subprocess.Popen(cmd, env=child_env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -392,6 +392,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    from kvconnect import verdict as _importable  # functions spawned processes can find by module name
+    from kvconnect.bench import verdict as _importable  # functions spawned processes can find by module name
 
     sys.exit(_importable.child_main(sys.argv[1:]))

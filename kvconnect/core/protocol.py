@@ -20,8 +20,8 @@ from typing import Any
 
 import msgspec
 
-from kvconnect.errors import InvalidRequestError, LayoutError, ProtocolError
-from kvconnect.layout import CacheSpec
+from kvconnect.core.errors import InvalidRequestError, LayoutError, ProtocolError
+from kvconnect.core.layout import CacheSpec
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # agent metadata is the largest part (tens of KiB)

@@ -36,10 +36,10 @@ from importlib import metadata
 import msgspec
 import numpy as np
 
-from kvconnect.bench_report import SCHEMA, BenchOptions, BenchReport, Geometry
-from kvconnect.errors import ConfigError, KVConnectError
-from kvconnect.hetero import PATHS as HETERO_PATHS
-from kvconnect.layout import DTYPE_BYTES, TOKEN_LAYOUTS, LayoutKind, tp_problem
+from kvconnect.bench.report import SCHEMA, BenchOptions, BenchReport, Geometry
+from kvconnect.core.errors import ConfigError, KVConnectError
+from kvconnect.core.hetero import PATHS as HETERO_PATHS
+from kvconnect.core.layout import DTYPE_BYTES, TOKEN_LAYOUTS, LayoutKind, tp_problem
 
 log = logging.getLogger(__name__)
 
@@ -357,7 +357,7 @@ def transport_env() -> dict[str, str]:
 def system_info(opts: BenchOptions) -> dict[str, str]:
     import torch
 
-    from kvconnect.agent import nixl_module
+    from kvconnect.core.agent import nixl_module
 
     build = nixl_module()[0].__name__.split(".")[0]
     info = {
@@ -407,8 +407,8 @@ def run_bench(opts: BenchOptions, command: list[str] | None = None) -> BenchRepo
     import torch
     from tqdm import tqdm
 
-    from kvconnect.bench_pull import PrefillGroup, measure_case, plan_cases
-    from kvconnect.config import ConnectorConfig
+    from kvconnect.bench.pull import PrefillGroup, measure_case, plan_cases
+    from kvconnect.core.config import ConnectorConfig
 
     if opts.decode_device.startswith("cuda"):
         torch.cuda.set_device(torch.device(opts.decode_device))  # before the connector exists
@@ -440,7 +440,7 @@ def run_bench(opts: BenchOptions, command: list[str] | None = None) -> BenchRepo
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvconnect.bench_report import format_table, write_json, write_plot
+    from kvconnect.bench.report import format_table, write_json, write_plot
 
     try:
         opts = options_from_args(args)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvconnect.errors import LayoutError
-from kvconnect.layout import CacheSpec, LayoutKind
+from kvconnect.core.errors import LayoutError
+from kvconnect.core.layout import CacheSpec, LayoutKind
 
 TORCH_DTYPES = {
     "float32": torch.float32,

@@ -19,8 +19,8 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from kvconnect.errors import LeaseError
-from kvconnect.protocol import LeaseState
+from kvconnect.core.errors import LeaseError
+from kvconnect.core.protocol import LeaseState
 
 log = logging.getLogger(__name__)
 

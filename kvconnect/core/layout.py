@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from kvconnect.errors import LayoutError, LayoutMismatchError
+from kvconnect.core.errors import LayoutError, LayoutMismatchError
 
 
 class LayoutKind(str, enum.Enum):

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvconnect.errors import InvalidRequestError, LayoutError
-from kvconnect.layout import (
+from kvconnect.core.errors import InvalidRequestError, LayoutError
+from kvconnect.core.layout import (
     CacheSpec,
     Granularity,
     UnitTable,

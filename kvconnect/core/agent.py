@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvconnect.errors import InvalidRequestError, NixlError, PeerGoneError, TransferError
+from kvconnect.core.errors import InvalidRequestError, NixlError, PeerGoneError, TransferError
 
 log = logging.getLogger(__name__)
 

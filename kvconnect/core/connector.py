@@ -23,15 +23,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
-from kvconnect import protocol as p
-from kvconnect.agent import AgentOptions, MemKind, NixlAgent
-from kvconnect.cache import KVCache
-from kvconnect.config import ConnectorConfig
-from kvconnect.decode import DecodeSide
-from kvconnect.errors import InvalidRequestError, KVConnectError
-from kvconnect.handshake import SideChannelServer
-from kvconnect.lease import LeaseTable
-from kvconnect.transfer import PullHandle, PullStats
+from kvconnect.core import protocol as p
+from kvconnect.core.agent import AgentOptions, MemKind, NixlAgent
+from kvconnect.core.cache import KVCache
+from kvconnect.core.config import ConnectorConfig
+from kvconnect.core.decode import DecodeSide
+from kvconnect.core.errors import InvalidRequestError, KVConnectError
+from kvconnect.core.handshake import SideChannelServer
+from kvconnect.core.lease import LeaseTable
+from kvconnect.core.pull import PullHandle, PullStats
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class KVConnector:
         self.agent.register(regions, self.mem)
         ipc_handles, ipc_offsets, host = [], [], ""
         if self.spec.device == "cuda" and config.transport != "nixl":
-            from kvconnect import peer_copy
+            from kvconnect.core.transports import ipc_gather as peer_copy
 
             try:
                 exported = [peer_copy.export_region(addr) for addr in cache.base_addrs()]
@@ -248,7 +248,7 @@ class KVConnector:
                 log.exception("kvconnect loop iteration failed")
 
     def _warm_up_gather(self) -> None:
-        from kvconnect import peer_copy
+        from kvconnect.core.transports import ipc_gather as peer_copy
 
         t0 = time.monotonic()
         try:

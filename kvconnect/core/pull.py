@@ -20,12 +20,12 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvconnect.agent import NixlAgent, XferHandle, XferState
-from kvconnect.descriptors import PullPlan, validate_block_ids
-from kvconnect.errors import InvalidRequestError, KVConnectError, PeerGoneError, TransferTimeoutError
-from kvconnect.hetero import Source
-from kvconnect.layout import CacheSpec, tp_problem
-from kvconnect.protocol import KVTransferParams
+from kvconnect.core.agent import NixlAgent, XferHandle, XferState
+from kvconnect.core.descriptors import PullPlan, validate_block_ids
+from kvconnect.core.errors import InvalidRequestError, KVConnectError, PeerGoneError, TransferTimeoutError
+from kvconnect.core.hetero import Source
+from kvconnect.core.layout import CacheSpec, tp_problem
+from kvconnect.core.protocol import KVTransferParams
 
 log = logging.getLogger(__name__)
 

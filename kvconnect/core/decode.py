@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zmq
 
-from kvconnect import protocol as p
-from kvconnect.agent import MemKind, PreppedList, XferState
-from kvconnect.descriptors import PairPlan, strided_descriptor_array, token_span
-from kvconnect.errors import (
+from kvconnect.core import protocol as p
+from kvconnect.core.agent import MemKind, PreppedList, XferState
+from kvconnect.core.descriptors import PairPlan, strided_descriptor_array, token_span
+from kvconnect.core.errors import (
     HandshakeError,
     HandshakeTimeoutError,
     InvalidRequestError,
@@ -32,14 +32,14 @@ from kvconnect.errors import (
     TransferError,
     TransferTimeoutError,
 )
-from kvconnect.handshake import PeerChannel
-from kvconnect.hetero import Path, Source, SourcePlan, Sources, plan_source, plan_sources
-from kvconnect.layout import CacheSpec
-from kvconnect.staging import StagingPool, scatter
-from kvconnect.transfer import AbandonedReads, Pull, PullGroup, PullHandle, PullPhase
+from kvconnect.core.handshake import PeerChannel
+from kvconnect.core.hetero import Path, Source, SourcePlan, Sources, plan_source, plan_sources
+from kvconnect.core.layout import CacheSpec
+from kvconnect.core.pull import AbandonedReads, Pull, PullGroup, PullHandle, PullPhase
+from kvconnect.core.staging import StagingPool, scatter
 
 if TYPE_CHECKING:
-    from kvconnect.connector import KVConnector
+    from kvconnect.core.connector import KVConnector
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +228,7 @@ class DecodeSide:
         conn = self._conn
         if conn.config.transport == "nixl" or conn.spec.device != "cuda" or info.spec.device != "cuda":
             return
-        from kvconnect import peer_copy
+        from kvconnect.core.transports import ipc_gather as peer_copy
 
         try:
             peer.mapped = peer_copy.IpcGather.open(info, pair, conn.cache)

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import msgspec
 
-from kvconnect.errors import ConfigError
+from kvconnect.core.errors import ConfigError
 
 ENV_PREFIX = "KVCONNECT_"
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "*")  # bind addresses that name no one host

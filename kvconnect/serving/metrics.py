@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvconnect.errors import KVConnectError
-from kvconnect.transfer import PullStats
+from kvconnect.core.errors import KVConnectError
+from kvconnect.core.pull import PullStats
 
 if TYPE_CHECKING:
-    from kvconnect.verdict import TransportVerdict
+    from kvconnect.bench.verdict import TransportVerdict
 
 _TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _BYTE_BUCKETS = tuple(float(2**k) for k in range(12, 36, 2))

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from kvconnect.errors import NixlError
+from kvconnect.core.errors import NixlError
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from kvconnect.errors import InvalidRequestError
+from kvconnect.core.errors import InvalidRequestError
 
 DEFAULT_MAX_TOKENS = 16
 _PATH = re.compile(r"at `\$\.?([^`]*)`")

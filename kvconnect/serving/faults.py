@@ -25,11 +25,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kvconnect.cache import KVCache
-from kvconnect.config import env_setting
+from kvconnect.core.cache import KVCache
+from kvconnect.core.config import env_setting
 
 if TYPE_CHECKING:
-    from kvconnect.server import Worker
+    from kvconnect.serving.server import Worker
 
 
 def enabled() -> bool:

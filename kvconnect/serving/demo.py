@@ -23,8 +23,8 @@ from typing import Any
 
 import httpx
 
-from kvconnect.errors import KVConnectError
-from kvconnect.layout import LayoutKind
+from kvconnect.core.errors import KVConnectError
+from kvconnect.core.layout import LayoutKind
 
 PROMPTS = [
     "Hi",

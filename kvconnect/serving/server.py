@@ -26,15 +26,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvconnect import faults
-from kvconnect import openai_api as api
-from kvconnect.config import ConnectorConfig, connector_config, env_setting
-from kvconnect.connector import KVConnector
-from kvconnect.engine.config import EngineConfig
-from kvconnect.engine.engine import Engine
-from kvconnect.engine.sampling import SamplingParams
-from kvconnect.engine.sequence import TokenEvent
-from kvconnect.errors import (
+from kvconnect.bench.verdict import TransportVerdict, startup_verdict
+from kvconnect.core.config import ConnectorConfig, connector_config, env_setting
+from kvconnect.core.connector import KVConnector
+from kvconnect.core.errors import (
     ConfigError,
     InvalidRequestError,
     KVConnectError,
@@ -43,11 +38,16 @@ from kvconnect.errors import (
     LocalError,
     RemoteError,
 )
-from kvconnect.layout import LayoutKind
-from kvconnect.metrics import WorkerMetrics
-from kvconnect.pd import LeaseKeeper, PullLoader, check_remote_blocks
-from kvconnect.protocol import parse_kv_transfer_params
-from kvconnect.verdict import TransportVerdict, startup_verdict
+from kvconnect.core.layout import LayoutKind
+from kvconnect.core.protocol import parse_kv_transfer_params
+from kvconnect.engine.config import EngineConfig
+from kvconnect.engine.engine import Engine
+from kvconnect.engine.sampling import SamplingParams
+from kvconnect.engine.sequence import TokenEvent
+from kvconnect.serving import faults
+from kvconnect.serving import openai_api as api
+from kvconnect.serving.metrics import WorkerMetrics
+from kvconnect.serving.pd import LeaseKeeper, PullLoader, check_remote_blocks
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "both")

@@ -28,15 +28,15 @@ import msgspec
 import numpy as np
 import torch
 
-from kvconnect.bench_report import BenchOptions, CaseResult, Ceiling, Geometry, HeteroFields, RepResult, summarize_case
-from kvconnect.cache import KVCache
-from kvconnect.config import ConnectorConfig
-from kvconnect.connector import KVConnector
-from kvconnect.errors import KVConnectError, TransferError
-from kvconnect.hetero import Source, Sources, plan_source, plan_sources
-from kvconnect.layout import CacheSpec, LayoutKind
-from kvconnect.protocol import KVTransferParams
-from kvconnect.transfer import PullHandle, PullStats
+from kvconnect.bench.report import BenchOptions, CaseResult, Ceiling, Geometry, HeteroFields, RepResult, summarize_case
+from kvconnect.core.cache import KVCache
+from kvconnect.core.config import ConnectorConfig
+from kvconnect.core.connector import KVConnector
+from kvconnect.core.errors import KVConnectError, TransferError
+from kvconnect.core.hetero import Source, Sources, plan_source, plan_sources
+from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.protocol import KVTransferParams
+from kvconnect.core.pull import PullHandle, PullStats
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvconnect.cache import KVCache
-from kvconnect.errors import InvalidRequestError
-from kvconnect.layout import CacheSpec, LayoutKind
+from kvconnect.core.cache import KVCache
+from kvconnect.core.errors import InvalidRequestError
+from kvconnect.core.layout import CacheSpec, LayoutKind
 
 
 class StagingPool:

@@ -19,8 +19,8 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from kvconnect import protocol as p
-from kvconnect.errors import AuthError, HandshakeError, HandshakeTimeoutError, ProtocolError
+from kvconnect.core import protocol as p
+from kvconnect.core.errors import AuthError, HandshakeError, HandshakeTimeoutError, ProtocolError
 
 log = logging.getLogger(__name__)
 

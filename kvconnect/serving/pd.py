@@ -16,10 +16,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from kvconnect.connector import KVConnector
-from kvconnect.errors import AuthError, InvalidRequestError, KVConnectError, LeaseLostError
-from kvconnect.protocol import KVTransferParams
-from kvconnect.transfer import PullHandle
+from kvconnect.core.connector import KVConnector
+from kvconnect.core.errors import AuthError, InvalidRequestError, KVConnectError, LeaseLostError
+from kvconnect.core.protocol import KVTransferParams
+from kvconnect.core.pull import PullHandle
 
 log = logging.getLogger(__name__)
 

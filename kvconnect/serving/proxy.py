@@ -31,11 +31,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvconnect import protocol as p
-from kvconnect.config import env_setting
-from kvconnect.errors import KVConnectError
-from kvconnect.handshake import request as side_request
-from kvconnect.openai_api import error_body
+from kvconnect.core import protocol as p
+from kvconnect.core.config import env_setting
+from kvconnect.core.errors import KVConnectError
+from kvconnect.core.handshake import request as side_request
+from kvconnect.serving.openai_api import error_body
 
 log = logging.getLogger(__name__)
 
