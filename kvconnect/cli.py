@@ -12,6 +12,8 @@ import logging
 import os
 import sys
 
+from kvconnect.core.config import env_setting
+
 SUBCOMMANDS = {
     "serve": ("kvconnect.serving.server", "run an OpenAI-compatible prefill, decode or aggregated worker"),
     "proxy": ("kvconnect.serving.proxy", "run the llm-d style prefill/decode proxy"),
@@ -23,7 +25,7 @@ SUBCOMMANDS = {
 
 def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, str | None]:
     parser = argparse.ArgumentParser(prog="kvconnect", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default=os.environ.get("KVCONNECT_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=env_setting("LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="command", required=True)
     chosen = next((a for a in argv if a in SUBCOMMANDS), None)
     for name, (module, help_text) in SUBCOMMANDS.items():

@@ -14,14 +14,14 @@ from kvconnect.core.cache import KVCache
 from kvconnect.core.config import connector_config
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.layout import CacheSpec, LayoutKind
-from tests.peers import PrefillProc
+from kvconnect.testing.prefill import PrefillProcess
 
 
 def main() -> None:
     transport = sys.argv[1] if len(sys.argv) > 1 else "ipc"
     spec = CacheSpec(kind=LayoutKind.CROSS_LAYER, dtype="bfloat16", num_layers=32, num_blocks=320, block_size=16,
                      num_kv_heads=8, head_dim=128, device="cuda")
-    pre = PrefillProc.start(spec, device="cuda:0", transport=transport)
+    pre = PrefillProcess.start(spec, device="cuda:0", transport=transport)
     torch.cuda.set_device(1)
     dec = KVConnector(KVCache.allocate(spec, device="cuda:1"), connector_config({}, transport=transport))
     rng = np.random.default_rng(0)

@@ -37,11 +37,11 @@ for kind in (LayoutKind.CROSS_LAYER, LayoutKind.KV_FIRST):
     g = peer_copy.IpcGather(mapped, pair, dst)
     rng = np.random.default_rng(0)
     lids, rids = rng.permutation(320)[:256], rng.permutation(320)[:256]
-    loc, rem = pair.validate(lids, rids)
+    loc, rem = pair.order_checked(lids, rids)
     pairs = np.stack([rem, loc], 1).astype(np.int64)
     pinned = torch.empty((256, 2), dtype=torch.int64, pin_memory=True)
     print(kind.value)
-    print(f"  validate            {timed(lambda: pair.validate(lids, rids)):8.1f} us")
+    print(f"  order_checked       {timed(lambda: pair.order_checked(lids, rids)):8.1f} us")
     print(f"  plan_validated      {timed(lambda: pair.plan_validated(loc, rem)):8.1f} us")
     print(f"  upload pageable     {timed(lambda: torch.from_numpy(pairs).to(dev, non_blocking=True)):8.1f} us")
     print(f"  upload pinned       {timed(lambda: pinned.copy_(torch.from_numpy(pairs)).to(dev, non_blocking=True)):8.1f} us")

@@ -18,7 +18,7 @@ from kvconnect.core.connector import KVConnector
 from kvconnect.core.descriptors import PairPlan
 from kvconnect.core.layout import CacheSpec, LayoutKind
 from kvconnect.core.transports import ipc_gather as peer_copy
-from tests.peers import PrefillProc
+from kvconnect.testing.prefill import PrefillProcess
 
 steps: dict[str, list[float]] = defaultdict(list)
 
@@ -40,7 +40,7 @@ def main() -> None:
     spec = CacheSpec(kind=LayoutKind.CROSS_LAYER, dtype="bfloat16", num_layers=32, num_blocks=320, block_size=16,
                      num_kv_heads=8, head_dim=128, device="cuda")
     decode_dev = f"cuda:{min(torch.cuda.device_count() - 1, 1)}"  # the second GPU when there is one
-    pre = PrefillProc.start(spec, device="cuda:0", transport="ipc")
+    pre = PrefillProcess.start(spec, device="cuda:0", transport="ipc")
     torch.cuda.set_device(torch.device(decode_dev))
     dec = KVConnector(KVCache.allocate(spec, device=decode_dev), connector_config({}, transport="ipc"))
     print(f"prefill cuda:0, decode {decode_dev}")
@@ -63,7 +63,7 @@ def main() -> None:
     for name, values in steps.items():
         print(f"  {name:20s} {1e6 * statistics.median(values):8.1f}")
     # bare launch cost, same kernel, same process, nothing else running
-    gather = dec.decode._peers[next(iter(dec.decode._peers))].mapped
+    gather = dec._decode.peers.all()[0].transport._gather  # (internals: a profiling script)
     local = np.sort(rng.permutation(320)[:256]).astype(np.int64)
     remote = np.sort(rng.permutation(320)[:256]).astype(np.int64)
     for _ in range(5):

@@ -5,25 +5,14 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-T = TypeVar("T")
+from kvconnect.testing.net import poll_until
 
-
-def poll_until(predicate: Callable[[], T], timeout_s: float = 15.0, what: str = "condition",
-               interval_s: float = 0.02) -> T:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval_s)
-    raise AssertionError(f"{what} not reached within {timeout_s}s (last: {last!r})")
+__all__ = ["poll_until"]  # (re-exported: the tests import their helpers from here)
 
 
 def health(url: str) -> dict[str, Any]:

@@ -12,19 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvconnect.bench.pull import (
-    CaseKey,
-    PrefillGroup,
-    cache_blocks_for,
-    case_shape,
-    draw_ids,
-    measure_case,
-    plan_cases,
-    verify,
-    verify_tokens,
-)
+from kvconnect.bench import args as bench_args
+from kvconnect.bench import run as bench
+from kvconnect.bench.cases import CaseKey, cache_blocks_for, case_shape, draw_ids, plan_cases
+from kvconnect.bench.pull import PrefillGroup, measure_case, verify, verify_tokens
 from kvconnect.bench.report import BenchOptions, Geometry, read_json
-from kvconnect.bench.run import run as bench
 from kvconnect.cli import build_parser, main
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig
@@ -70,7 +62,7 @@ def test_bad_arguments_fail_with_a_clear_message(argv, message, capsys) -> None:
 
 
 def test_arguments_parse_into_options() -> None:
-    opts = bench.options_from_args(parse(
+    opts = bench_args.options_from_args(parse(
         "--model", "llama-3-70b", "--tokens", "256..1024", "4096",
         "--layouts", "cross_layer,blocks_first:kv_first", "--pattern", "runs:1,runs:4,contiguous",
         "--ucx", "UCX_TLS=tcp,cma,self", "--no-confirm",
@@ -80,27 +72,27 @@ def test_arguments_parse_into_options() -> None:
     assert opts.layout_pairs == [("cross_layer", "cross_layer"), ("blocks_first", "kv_first")]
     assert opts.patterns == ["scattered", "runs:4", "contiguous"]
     assert opts.ucx_env == {"UCX_TLS": "tcp,cma,self"} and opts.confirm is False
-    defaults = bench.options_from_args(parse())
+    defaults = bench_args.options_from_args(parse())
     assert defaults.geometry.model == "llama-3-8b" and defaults.tokens == [4096]
     assert defaults.layout_pairs == bench.SAME_PAIRS and defaults.patterns == ["scattered"]
     assert defaults.confirm is True and defaults.transports == ["nixl"]
     assert (defaults.geometry.dtype, defaults.geometry.block_size) == ("bfloat16", 16)
-    assert len(bench.parse_layout_pairs("all")) == 9
+    assert len(bench_args.parse_layout_pairs("all")) == 9
 
 
 def test_geometry_needs_a_preset_or_all_three_dimensions() -> None:
     with pytest.raises(ConfigError, match="missing --num-kv-heads, --head-dim"):
-        bench.geometry_from_args(parse("--num-layers", "2"))
-    custom = bench.geometry_from_args(parse("--num-layers", "2", "--num-kv-heads", "1", "--head-dim", "8"))
+        bench_args.geometry_from_args(parse("--num-layers", "2"))
+    custom = bench_args.geometry_from_args(parse("--num-layers", "2", "--num-kv-heads", "1", "--head-dim", "8"))
     assert (custom.model, custom.num_layers, custom.head_dim) == ("custom", 2, 8)
-    tweaked = bench.geometry_from_args(parse("--model", "small", "--num-layers", "7"))
+    tweaked = bench_args.geometry_from_args(parse("--model", "small", "--num-layers", "7"))
     assert tweaked.num_layers == 7 and tweaked.model.startswith("small")
     assert main(["bench", "--num-layers", "2", "--no-progress"]) == 2  # reported, not raised
 
 
 def test_ipc_transport_is_refused_on_dram() -> None:
     with pytest.raises(ConfigError, match="needs both sides on cuda"):
-        bench.options_from_args(parse("--transport", "ipc"))
+        bench_args.options_from_args(parse("--transport", "ipc"))
 
 
 @pytest.mark.parametrize("pattern", ["scattered", "runs:4", "contiguous"])
@@ -181,7 +173,7 @@ def test_unconfirmed_runs_pattern_mixed_pair(tmp_path) -> None:
 
 
 def test_hetero_arguments_parse_into_options() -> None:
-    opts = bench.options_from_args(parse(
+    opts = bench_args.options_from_args(parse(
         "--tp", "1:2,2:1,4", "--token-layouts", "nhd:hnd,HND", "--hetero-path", "direct,staging",
         "--decode-block-size", "64",
     ))
@@ -189,13 +181,13 @@ def test_hetero_arguments_parse_into_options() -> None:
     assert opts.token_layouts == [("NHD", "HND"), ("HND", "HND")]
     assert opts.hetero_paths == ["direct", "staging"] and opts.hetero
     assert (opts.geometry.num_kv_heads, opts.geometry.block_size, opts.geometry.decode_block) == (8, 16, 64)
-    defaults = bench.options_from_args(parse())
+    defaults = bench_args.options_from_args(parse())
     assert (defaults.tp_pairs, defaults.token_layouts, defaults.hetero_paths) == ([(1, 1)], [("NHD", "NHD")], ["auto"])
     assert defaults.geometry.decode_block_size == 0 and not defaults.hetero
-    assert bench.options_from_args(parse("--tp", "16:1,1:32")).tp_pairs == [(16, 1), (1, 32)]  # replication
+    assert bench_args.options_from_args(parse("--tp", "16:1,1:32")).tp_pairs == [(16, 1), (1, 32)]  # replication
     with pytest.raises(ConfigError, match="--tp: prefill tp_size 3 does not divide the model's 8 KV heads; "
                                           "decode tp_size 12 is not a multiple"):
-        bench.options_from_args(parse("--tp", "3:12"))
+        bench_args.options_from_args(parse("--tp", "3:12"))
     assert main(["bench", "--tp", "3:1", "--no-progress"]) == 2  # reported, not raised
 
 

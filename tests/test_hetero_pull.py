@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvconnect.bench.pull import free_port_run
 from kvconnect.core.hetero import plan_sources
 from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.testing.net import free_port_run
+from kvconnect.testing.prefill import PrefillProcess, reference_kv
 from tests.faultkit import poll_until
-from tests.peers import PrefillProc, reference_kv
 
 LAYERS, HEAD_DIM, TOKENS, SEED = 3, 8, 150, 11
 
@@ -61,7 +61,7 @@ def run_group(case: str, device_of: Callable[[str, int], str]) -> list[dict]:
         prefill = []
         for r in range(tp_p):
             dev = device_of("prefill", r)
-            proc = PrefillProc.start(spec(kind_p, tp_p, r, heads, bs_p, lay_p, nb_p + 4, dev), device=dev,
+            proc = PrefillProcess.start(spec(kind_p, tp_p, r, heads, bs_p, lay_p, nb_p + 4, dev), device=dev,
                                      side_channel_port=base + r, engine_id="pfx", staging_mb=1)
             stack.callback(proc.stop)
             proc.ask("fill_ref", SEED, TOKENS, p_ids)
@@ -69,7 +69,7 @@ def run_group(case: str, device_of: Callable[[str, int], str]) -> list[dict]:
         decode = []
         for d in range(tp_d):
             dev = device_of("decode", d)
-            proc = PrefillProc.start(spec(kind_d, tp_d, d, heads, bs_d, lay_d, nb_d + 4, dev), device=dev,
+            proc = PrefillProcess.start(spec(kind_d, tp_d, d, heads, bs_d, lay_d, nb_d + 4, dev), device=dev,
                                      engine_id=f"dec{d}", staging_mb=1,
                                      hetero_path="auto" if path == "staging" else path)
             stack.callback(proc.stop)
@@ -78,8 +78,8 @@ def run_group(case: str, device_of: Callable[[str, int], str]) -> list[dict]:
         assert {x.remote_port for x in params} == {base}  # every rank names the group's base port
         wire = msgspec.json.encode(msgspec.structs.replace(params[0], remote_num_tokens=TOKENS))
         for proc in decode:
-            proc.conn.send(("pull", wire, d_ids))  # all decode ranks pull at once
-        results = [proc.conn.recv() for proc in decode]
+            proc.send("pull", wire, d_ids)  # all decode ranks pull at once
+        results = [proc.answer("pull", 90) for proc in decode]
         for d, res in enumerate(results):
             assert res[0] == "ok", f"decode rank {d}: {res}"
             assert set(res[1]["path"].split("+")) == {path}
@@ -98,13 +98,11 @@ def run_group(case: str, device_of: Callable[[str, int], str]) -> list[dict]:
 
 def test_tp_size_that_cannot_split_the_heads_is_refused_naming_it() -> None:
     with ExitStack() as stack:
-        proc = PrefillProc.start(spec(LayoutKind.CROSS_LAYER, 1, 0, 4, 16, "NHD", 8), engine_id="dec")
+        proc = PrefillProcess.start(spec(LayoutKind.CROSS_LAYER, 1, 0, 4, 16, "NHD", 8), engine_id="dec")
         stack.callback(proc.stop)
         params = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_block_ids": [1],
                   "remote_host": "127.0.0.1", "remote_port": 5999, "remote_request_id": "x", "tp_size": 3}
-        proc.conn.send(("pull", msgspec.json.encode(params), [0]))
-        assert proc.conn.poll(30)
-        answer = proc.conn.recv()
+        answer = proc.ask("pull", msgspec.json.encode(params), [0], timeout_s=30)
         assert answer[:2] == ("failed", "InvalidRequestError")
         assert "kv_transfer_params.tp_size" in answer[2] and "tp_size 3 does not divide the model's 4 KV heads" in \
             answer[2]
@@ -128,7 +126,7 @@ def test_pair_needing_staging_is_refused_at_handshake_when_staging_is_off() -> N
     from kvconnect.core.errors import LayoutMismatchError
 
     with ExitStack() as stack:
-        pre = PrefillProc.start(spec(LayoutKind.CROSS_LAYER, 1, 0, 4, 16, "NHD", 8))
+        pre = PrefillProcess.start(spec(LayoutKind.CROSS_LAYER, 1, 0, 4, 16, "NHD", 8))
         stack.callback(pre.stop)
         dec = KVConnector(KVCache.allocate(spec(LayoutKind.CROSS_LAYER, 1, 0, 4, 16, "HND", 8)),
                           connector_config({}, side_channel_host="127.0.0.1", staging_mb=0))

@@ -11,9 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvconnect.core.cache import KVCache
-from kvconnect.core.descriptors import PairPlan, merge_runs, strided_descriptor_array
+from kvconnect.core.descriptors import PairPlan, strided_descriptor_array
 from kvconnect.core.errors import InvalidRequestError, LayoutError, LayoutMismatchError
 from kvconnect.core.layout import DTYPE_BYTES, CacheSpec, Granularity, LayoutKind, check_compatible
+from tests.oracle import merge_runs, validated
+from tests.oracle import plan as full_plan
 
 KINDS = list(LayoutKind)
 
@@ -55,7 +57,7 @@ def region_of(pair_units, num_blocks: int) -> np.ndarray:
 
 def execute(pair: PairPlan, dst: KVCache, src: KVCache, local_ids, remote_ids):
     """Run the plan as memcpy; return the merged descriptors it executed."""
-    plan = pair.plan(local_ids, remote_ids)
+    plan = full_plan(pair, local_ids, remote_ids)
     ldesc, rdesc = pair.local_descs(dst.base_addrs(), 0), pair.remote_descs(src.base_addrs(), 0)
     lreg = region_of(pair.local_units, pair.local_spec.num_blocks)
     rreg = region_of(pair.remote_units, pair.remote_spec.num_blocks)
@@ -117,11 +119,11 @@ def test_descriptor_counts_llama8b_4096_tokens(kind, per_request, contiguous_mer
                   num_kv_heads=8, head_dim=128)
     pair = PairPlan.build(s, s)
     rng = np.random.default_rng(0)
-    scattered = pair.plan(rng.permutation(1024)[:256], rng.permutation(1024)[:256])
+    scattered = full_plan(pair, rng.permutation(1024)[:256], rng.permutation(1024)[:256])
     assert scattered.num_descs == per_request
     assert scattered.total_bytes == 256 * 2 * 2**20  # 2 MiB per block across 32 layers
     assert scattered.num_descs_merged <= per_request
-    contiguous = pair.plan(np.arange(100, 356), np.arange(500, 756))
+    contiguous = full_plan(pair, np.arange(100, 356), np.arange(500, 756))
     assert contiguous.num_descs == per_request
     assert contiguous.num_descs_merged == contiguous_merged
 
@@ -163,10 +165,10 @@ def test_bad_block_ids_are_refused_before_planning(bad) -> None:
     s = spec(LayoutKind.BLOCKS_FIRST)
     pair = PairPlan.build(s, s)
     with pytest.raises(InvalidRequestError) as e:
-        pair.plan(bad, list(range(len(bad))))
+        full_plan(pair, bad, list(range(len(bad))))
     assert e.value.field == "local_block_ids"
     with pytest.raises(InvalidRequestError, match="2 remote blocks for 1 local"):
-        pair.plan([0], [0, 1])
+        full_plan(pair, [0], [0, 1])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -191,7 +193,7 @@ def test_flash_attention_views_and_stride_check(kind: LayoutKind) -> None:
 def test_order_checked_agrees_with_validate_and_bounds_both_sides() -> None:
     s = spec(LayoutKind.BLOCKS_FIRST)
     pair = PairPlan.build(s, spec(LayoutKind.CROSS_LAYER, num_blocks=6))
-    fast, full = pair.order_checked([7, 1, 3], [5, 0, 2]), pair.validate([7, 1, 3], [5, 0, 2])
+    fast, full = pair.order_checked([7, 1, 3], [5, 0, 2]), validated(pair, [7, 1, 3], [5, 0, 2])
     assert all(np.array_equal(a, b) for a, b in zip(fast, full, strict=True))
     with pytest.raises(InvalidRequestError) as e:
         pair.order_checked([1], [6])

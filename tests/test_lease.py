@@ -19,7 +19,7 @@ class Clock:
 
 def table(ttl: float = 10.0):
     clock, freed = Clock(), []
-    return LeaseTable(ttl, clock, freed.extend, tombstone_s=30.0), clock, freed
+    return LeaseTable(ttl, clock, lambda rid, ids: freed.extend(ids), tombstone_s=30.0), clock, freed
 
 
 def test_complete_frees_once_and_is_remembered() -> None:
@@ -64,7 +64,7 @@ def test_release_and_double_grant() -> None:
 
 def test_ttl_must_be_positive() -> None:
     with pytest.raises(LeaseError):
-        LeaseTable(0, Clock(), lambda ids: None)
+        LeaseTable(0, Clock(), lambda rid, ids: None)
 
 
 def test_a_pinned_lease_outlives_its_ttl_until_the_pin_ends() -> None:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from kvconnect.core import protocol as p
 from kvconnect.core.errors import InvalidRequestError, ProtocolError
 from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.params import parse_kv_transfer_params
 
 GOOD = {
     "do_remote_prefill": True,
@@ -23,10 +24,10 @@ GOOD = {
 
 
 def test_vllm_params_parse_and_ignore_unknown_fields() -> None:
-    params = p.parse_kv_transfer_params({**GOOD, "some_future_field": {"x": 1}})
+    params = parse_kv_transfer_params({**GOOD, "some_future_field": {"x": 1}})
     assert params is not None and params.remote_block_ids == [3, 4, 9] and params.remote_port == 5600
-    assert p.parse_kv_transfer_params(None) is None
-    assert p.parse_kv_transfer_params({"do_remote_decode": True}).do_remote_decode  # type: ignore[union-attr]
+    assert parse_kv_transfer_params(None) is None
+    assert parse_kv_transfer_params({"do_remote_decode": True}).do_remote_decode  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("missing", ["remote_engine_id", "remote_block_ids", "remote_host", "remote_port",
@@ -34,7 +35,7 @@ def test_vllm_params_parse_and_ignore_unknown_fields() -> None:
 def test_missing_field_is_named(missing: str) -> None:
     body = {k: v for k, v in GOOD.items() if k != missing}
     with pytest.raises(InvalidRequestError) as e:
-        p.parse_kv_transfer_params(body)
+        parse_kv_transfer_params(body)
     assert e.value.field == f"kv_transfer_params.{missing}"
 
 
@@ -42,15 +43,15 @@ def test_missing_field_is_named(missing: str) -> None:
                                               ("do_remote_prefill", "yes"), ("tp_size", 1.5)])
 def test_mistyped_field_is_named(field: str, value: object) -> None:
     with pytest.raises(InvalidRequestError) as e:
-        p.parse_kv_transfer_params({**GOOD, field: value})
+        parse_kv_transfer_params({**GOOD, field: value})
     assert e.value.field.startswith(f"kv_transfer_params.{field}")
 
 
 def test_port_range_and_non_object() -> None:
     with pytest.raises(InvalidRequestError, match="remote_port"):
-        p.parse_kv_transfer_params({**GOOD, "remote_port": 70000})
+        parse_kv_transfer_params({**GOOD, "remote_port": 70000})
     with pytest.raises(InvalidRequestError, match="must be an object"):
-        p.parse_kv_transfer_params([1, 2])
+        parse_kv_transfer_params([1, 2])
 
 
 @settings(max_examples=500, deadline=None)
@@ -60,7 +61,7 @@ def test_port_range_and_non_object() -> None:
 def test_params_parser_fuzz_only_raises_named_errors(obj: object) -> None:
     for candidate in (obj, {**GOOD, "remote_block_ids": obj}, {**GOOD, "remote_host": obj}):
         try:
-            p.parse_kv_transfer_params(candidate)
+            parse_kv_transfer_params(candidate)
         except InvalidRequestError as e:
             assert e.field.startswith("kv_transfer_params")
 

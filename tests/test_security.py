@@ -22,8 +22,9 @@ from kvconnect.core import protocol as p
 from kvconnect.core.errors import AuthError, InvalidRequestError, ProtocolError
 from kvconnect.core.handshake import request as side_request
 from kvconnect.core.handshake import zmq_address
+from kvconnect.core.params import parse_kv_transfer_params
 from kvconnect.serving import openai_api as api
-from kvconnect.serving.demo import Cluster
+from kvconnect.testing.cluster import Cluster
 from tests.faultkit import decode_leg, health, idle, metric, poll_until, prefill_leg, reference
 
 SECRET = "kvconnect-test-secret"
@@ -286,7 +287,7 @@ def test_openai_body_parser_fuzz_only_raises_named_errors(obj: dict, chat: bool)
             continue
         assert body.limit >= 1 and body.n == 1
         try:  # a body that parses hands its kv_transfer_params to the second parser
-            p.parse_kv_transfer_params(body.kv_transfer_params)
+            parse_kv_transfer_params(body.kv_transfer_params)
         except InvalidRequestError as e:
             assert e.field.startswith("kv_transfer_params")
 

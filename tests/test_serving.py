@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from kvconnect.serving.demo import Cluster, complete
+from kvconnect.testing.cluster import Cluster, complete
 from tests.faultkit import health, poll_until, scrape
 
 # 50+ prompts: shorter than a block, exactly a block (16 tokens incl. BOS), many blocks, ragged.

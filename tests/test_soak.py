@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvconnect.serving.demo import Cluster
+from kvconnect.testing.cluster import Cluster
 from tests.faultkit import health, idle, log_text, poll_until, scrape
 
 NUM_REQUESTS = int(os.environ.get("KVCONNECT_SOAK_REQUESTS", "200"))
@@ -327,9 +327,9 @@ def test_soak_with_random_faults(cluster: Cluster) -> None:
     assert report["proxy"]["prefill_failed"] >= seen_prefill, report
     assert report["proxy"]["decode_failed"] >= len(failed) - seen_prefill, report
     assert report["leases_ended"]["expired"] >= faults.expired, report
-    # the failure each client saw was logged once, with the request id, where it was handled
+    # the failure each client saw was logged once as a warning, with the request id, where it was handled
     logs = "\n".join(log_text(cluster.log_dir, n) for n in processes)
-    handled = [ln for ln in logs.splitlines() if re.search(r" WARNING kvconnect\.(decode|proxy): ", ln)]
+    handled = [ln for ln in logs.splitlines() if " WARNING " in ln]
     for r in failed:
         m = re.search(r"\b[A-Z]\w*(?:Error|Exception): (.*)$", r["error"])
         assert m, r

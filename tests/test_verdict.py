@@ -15,8 +15,8 @@ import pytest
 from kvconnect.bench.verdict import ProtoUse, calibrate, check_transport, parse_proto_tables, read_transports
 from kvconnect.core.config import connector_config
 from kvconnect.core.errors import ConfigError
-from kvconnect.serving.demo import free_port
-from tests.faultkit import poll_until, scrape
+from kvconnect.testing.net import free_port, poll_until
+from tests.faultkit import scrape
 
 MiB = 2**20
 SHARED_MEMORY = {"cma", "posix", "sysv", "knem", "xpmem"}

@@ -3,7 +3,7 @@
 NIXL's string states become `XferState`, its binding exceptions become kvconnect errors, and every
 handle it hands out is tracked so `close()` can release in the order NIXL needs: transfers, prepared
 lists, remote agents, then registrations. The agent is not thread-safe (NIXL's default sync mode):
-one owner thread drives it; see `connector.py`.
+one owner thread drives it (the connector's loop).
 
 Which build is loaded: `KVCONNECT_NIXL_MODULE` if set (e.g. `nixl_cu12`), else the cu12 build when
 torch is built for CUDA 12 and it is installed, else `nixl_cu13`, else the `nixl` meta package.
@@ -15,13 +15,13 @@ from __future__ import annotations
 import enum
 import importlib
 import logging
-import os
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+from kvconnect.core.config import env_setting
 from kvconnect.core.errors import InvalidRequestError, NixlError, PeerGoneError, TransferError
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class MemKind(str, enum.Enum):
 
 
 def _candidates() -> list[str]:
-    forced = os.environ.get("KVCONNECT_NIXL_MODULE")
+    forced = env_setting("NIXL_MODULE")
     if forced:
         return [forced]
     order = ["nixl_cu13", "nixl_cu12"]
@@ -238,7 +238,8 @@ class NixlAgent:
             return None
 
     def release(self, xfer: XferHandle) -> None:
-        """Release a transfer handle; an in-flight one is cancelled (its notification is lost)."""
+        """Release a transfer handle. This does not stop a READ already posted: NIXL cannot cancel one, and a
+        released READ may still write its data (see pull.AbandonedReads); its notification is lost."""
         if xfer.released:
             return
         xfer.released = True

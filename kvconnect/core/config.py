@@ -6,6 +6,7 @@ same names for its flags, so a container, a Kubernetes manifest and a shell read
 
 from __future__ import annotations
 
+import enum
 import os
 import re
 import uuid
@@ -17,6 +18,27 @@ from kvconnect.core.errors import ConfigError
 
 ENV_PREFIX = "KVCONNECT_"
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "*")  # bind addresses that name no one host
+
+
+class TransportChoice(str, enum.Enum):
+    AUTO = "auto"  # the CUDA IPC gather for same-host GPU peers, NIXL otherwise
+    NIXL = "nixl"  # always NIXL
+    IPC = "ipc"  # the IPC gather or nothing (a peer it cannot serve fails its handshake)
+
+
+class HeteroPathChoice(str, enum.Enum):
+    """How pairs whose blocks differ (TP, block size, NHD/HND; hetero.py) are pulled."""
+
+    AUTO = "auto"  # the cost model picks direct or staging per source
+    DIRECT = "direct"  # the pieces straight into the decode cache
+    STAGING = "staging"  # whole remote blocks into a staging cache, then a device scatter
+
+
+class FailurePolicy(str, enum.Enum):
+    """What a decode worker does with a request whose pull failed."""
+
+    FAIL = "fail"  # the request fails, naming the error
+    RECOMPUTE = "recompute"  # the decode worker computes the prompt itself
 
 
 class ConnectorConfig(msgspec.Struct, kw_only=True):
@@ -32,12 +54,10 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
     pin_reads: bool = True  # pin the lease as the READ is posted, so its end needs no round trip (lease.py)
     nixl_threads: int = 0  # UCX worker threads per agent (0 = backend default)
     telemetry: bool = False  # NIXL per-transfer telemetry (issued descriptor counts)
-    failure_policy: str = "fail"  # "fail" or "recompute" when a pull fails
+    failure_policy: FailurePolicy = FailurePolicy.FAIL
     poll_interval_s: float = 0.001  # I/O loop tick: notifications, deadlines, lease expiry
-    transport: str = "auto"  # "auto" (CUDA IPC gather for same-host GPU peers, else NIXL), "nixl", "ipc"
-    # pairs whose blocks differ (TP, block size, NHD/HND; hetero.py): "auto" places directly when each token
-    # segment is one contiguous range on both sides, else stages; "direct" or "staging" force one
-    hetero_path: str = "auto"
+    transport: TransportChoice = TransportChoice.AUTO
+    hetero_path: HeteroPathChoice = HeteroPathChoice.AUTO
     staging_mb: int = 512  # staging cache for such pairs (allocated at the first handshake that needs it); 0 = off
     # transport verdict (verdict.py): at start-up a decode/both worker times a NIXL READ between two local
     # processes against a torch copy, names UCX's transport, logs it and exports it in /metrics
@@ -65,14 +85,8 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
         for name in ("lease_ttl_s", "handshake_timeout_s", "pull_timeout_s", "poll_interval_s", "verdict_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.transport not in ("auto", "nixl", "ipc"):
-            raise ConfigError(f"transport must be 'auto', 'nixl' or 'ipc', got {self.transport!r}")
-        if self.hetero_path not in ("auto", "direct", "staging"):
-            raise ConfigError(f"hetero_path must be 'auto', 'direct' or 'staging', got {self.hetero_path!r}")
         if self.staging_mb < 0:
             raise ConfigError(f"staging_mb must be >= 0, got {self.staging_mb}")
-        if self.failure_policy not in ("fail", "recompute"):
-            raise ConfigError(f"failure_policy must be 'fail' or 'recompute', got {self.failure_policy!r}")
         if self.verdict_bytes < 0 or self.verdict_bytes % 2**20:
             raise ConfigError(f"verdict_bytes must be 0 (default) or a multiple of 1 MiB, got {self.verdict_bytes}")
         if not re.fullmatch(r"(cpu|cuda(:\d+)?)?", self.verdict_peer_device):

@@ -18,7 +18,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
@@ -26,32 +25,17 @@ import zmq
 from kvconnect.core import protocol as p
 from kvconnect.core.agent import AgentOptions, MemKind, NixlAgent
 from kvconnect.core.cache import KVCache
-from kvconnect.core.config import ConnectorConfig
+from kvconnect.core.config import ConnectorConfig, TransportChoice
 from kvconnect.core.decode import DecodeSide
-from kvconnect.core.errors import InvalidRequestError, KVConnectError
+from kvconnect.core.errors import KVConnectError
 from kvconnect.core.handshake import SideChannelServer
-from kvconnect.core.lease import LeaseTable
-from kvconnect.core.pull import PullHandle, PullStats
+from kvconnect.core.lease import Lease, LeaseTable
+from kvconnect.core.params import KVTransferParams, validate_block_ids
+from kvconnect.core.peers import PeerSet
+from kvconnect.core.pull import Pull, PullHandle, PullStats
+from kvconnect.core.snapshot import ConnectorSnapshot, Counters
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Counters:
-    """Monotonic counters for /metrics; written by the loop thread only."""
-
-    pulls_ok: int = 0
-    pull_failures: dict[str, int] = field(default_factory=dict)
-    bytes_pulled: int = 0
-    descs_posted: int = 0
-    handshakes: int = 0
-    handshake_failures: int = 0
-    notifs: int = 0
-    stale_notifs: int = 0
-
-    def failed(self, error: BaseException) -> None:
-        name = type(error).__name__
-        self.pull_failures[name] = self.pull_failures.get(name, 0) + 1
 
 
 class KVConnector:
@@ -62,6 +46,7 @@ class KVConnector:
         on_blocks_freed: Callable[[list[int]], None] | None = None,
         on_pull_done: Callable[[PullStats, KVConnectError | None], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_lease_ended: Callable[[str], None] | None = None,
     ) -> None:
         cache.verify()
         self.cache = cache
@@ -69,35 +54,35 @@ class KVConnector:
         self.config = config
         self.engine_id = config.engine_id
         self.incarnation_id = uuid.uuid4().hex
-        self.counters = Counters()
+        self._counters = Counters()
         self._on_blocks_freed = on_blocks_freed or (lambda ids: None)
-        self._clock = clock
-        self.leases = LeaseTable(config.lease_ttl_s, clock, self._blocks_freed)
-        self.agent = NixlAgent(
+        self._on_lease_ended = on_lease_ended or (lambda request_id: None)
+        self._on_pull_done = on_pull_done
+        self._leases = LeaseTable(config.lease_ttl_s, clock, self._blocks_freed)
+        self._agent = NixlAgent(
             f"{self.engine_id}-{self.incarnation_id[:12]}",
             AgentOptions(num_threads=config.nixl_threads, telemetry=config.telemetry),
         )
-        self.mem = MemKind.for_device(self.spec.device)
         regions = np.array(
             [[addr, self.spec.region_bytes, cache.device_id] for addr in cache.base_addrs()], dtype=np.int64
         )
-        self.agent.register(regions, self.mem)
+        self._agent.register(regions, MemKind.for_device(self.spec.device))
         ipc_handles, ipc_offsets, host = [], [], ""
-        if self.spec.device == "cuda" and config.transport != "nixl":
-            from kvconnect.core.transports import ipc_gather as peer_copy
+        if self.spec.device == "cuda" and config.transport is not TransportChoice.NIXL:
+            from kvconnect.core.transports import ipc_gather
 
             try:
-                exported = [peer_copy.export_region(addr) for addr in cache.base_addrs()]
+                exported = [ipc_gather.export_region(addr) for addr in cache.base_addrs()]
                 ipc_handles, ipc_offsets = [h for h, _ in exported], [o for _, o in exported]
-                host = peer_copy.host_id()
-            except peer_copy.PeerCopyError as e:
+                host = ipc_gather.host_id()
+            except ipc_gather.PeerCopyError as e:
                 log.warning("CUDA IPC export unavailable, peers will use NIXL: %s", e)
         self._peer_info = p.PeerInfo(
             protocol_version=p.PROTOCOL_VERSION,
             engine_id=self.engine_id,
             incarnation_id=self.incarnation_id,
-            agent_name=self.agent.name,
-            agent_metadata=self.agent.metadata(),
+            agent_name=self._agent.name,
+            agent_metadata=self._agent.metadata(),
             spec=self.spec,
             base_addrs=cache.base_addrs(),
             device_id=cache.device_id,
@@ -111,14 +96,14 @@ class KVConnector:
             self._ctx, config.side_channel_host, config.side_channel_port, self._handle, secret
         )
         self.side_channel_port = self._server.port
-        self.decode = DecodeSide(self, self._ctx, secret)
+        self._decode = DecodeSide(PeerSet(self._agent, cache, config, self._ctx, secret), cache, config,
+                                  self.engine_id, self._counters, self._pull_done)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvc-loop-{self.engine_id}", daemon=True)
-        self.on_pull_done = on_pull_done
         self._thread.start()
         log.info(
             "kvconnect %s (incarnation %s) side channel on %s:%d, %s cache %.1f MiB",
@@ -128,18 +113,14 @@ class KVConnector:
 
     # --- prefill role ------------------------------------------------------------------------------
 
-    def lease(self, request_id: str, block_ids: Sequence[int], num_tokens: int | None = None) -> p.KVTransferParams:
+    def lease(self, request_id: str, block_ids: Sequence[int], num_tokens: int | None = None) -> KVTransferParams:
         """Hold `block_ids` for a remote reader; returns the kv_transfer_params to hand to decode.
 
         Ranks of a TP group lease the same ids under the same request id and listen on consecutive side
         channel ports (rank r on base + r); the params name the base port, so rank 0's params serve all."""
-        ids = [int(b) for b in block_ids]
-        bad = [b for b in ids if not 0 <= b < self.spec.num_blocks]
-        if bad or not ids:
-            raise InvalidRequestError("block_ids", f"block ids {bad[:8]} outside [0, {self.spec.num_blocks})"
-                                      if bad else "is empty")
-        self.leases.grant(request_id, ids)
-        return p.KVTransferParams(
+        ids = validate_block_ids("block_ids", block_ids, self.spec.num_blocks).tolist()
+        self._leases.grant(request_id, ids)
+        return KVTransferParams(
             do_remote_prefill=True,
             remote_engine_id=self.engine_id,
             remote_block_ids=ids,
@@ -152,13 +133,30 @@ class KVConnector:
         )
 
     def release(self, request_id: str) -> p.LeaseState:
-        return self.leases.release(request_id)
+        """End a lease now without a read (the request was aborted); returns the state it ended in."""
+        return self._leases.release(request_id)
 
-    def _blocks_freed(self, block_ids: list[int]) -> None:
+    def lease_state(self, request_id: str) -> p.LeaseState:
+        return self._leases.state(request_id)
+
+    def held_leases(self) -> list[Lease]:
+        """Copies of the leases still held (operator tooling, fault injection)."""
+        return self._leases.held()
+
+    def expire_lease(self, request_id: str, scrub: Callable[[list[int]], None] | None = None) -> p.LeaseState:
+        """Expire one lease now; `scrub(block_ids)` may overwrite its blocks before they are freed."""
+        return self._leases.force_expire(request_id, scrub)
+
+    def expire_next_reads(self, count: int) -> None:
+        """Fault injection: the next `count` reads to finish find their lease expired."""
+        self._leases.expire_next_reads(count)
+
+    def _blocks_freed(self, request_id: str, block_ids: list[int]) -> None:
         try:
             self._on_blocks_freed(block_ids)
+            self._on_lease_ended(request_id)
         except Exception:
-            log.exception("on_blocks_freed callback failed for %d blocks", len(block_ids))
+            log.exception("lease %s: the freed-blocks callback failed for %d blocks", request_id, len(block_ids))
 
     def _handle(self, msg: p.Request) -> p.Reply:
         """Side-channel requests, on the loop thread."""
@@ -166,17 +164,17 @@ class KVConnector:
             return self._peer_info
         self._drain_notifs()  # a notification may be queued behind this request
         if msg.action is p.LeaseAction.CONFIRM:
-            state = self.leases.complete(msg.request_id, msg.reader, msg.readers)
+            state = self._leases.complete(msg.request_id, msg.reader, msg.readers)
         elif msg.action is p.LeaseAction.PIN:
-            state = self.leases.pin(msg.request_id, msg.reader, msg.pin_ms / 1000)
+            state = self._leases.pin(msg.request_id, msg.reader, msg.pin_ms / 1000)
         else:
-            state = self.leases.release(msg.request_id, msg.reader)
+            state = self._leases.release(msg.request_id, msg.reader)
             if state is p.LeaseState.RELEASED:
                 log.info("lease %s released by %s", msg.request_id, msg.engine_id)
         return p.LeaseReply(msg.request_id, state, self.incarnation_id)
 
     def _drain_notifs(self) -> None:
-        for agent_name, messages in self.agent.notifs().items():
+        for agent_name, messages in self._agent.notifs().items():
             for raw in messages:
                 try:
                     notif = p.decode_notif(raw)
@@ -184,25 +182,46 @@ class KVConnector:
                     log.warning("ignoring malformed notification from %s: %s", agent_name, e)
                     continue
                 if notif.incarnation_id != self.incarnation_id:
-                    self.counters.stale_notifs += 1
+                    self._counters.stale_notifs += 1
                     continue
-                self.counters.notifs += 1
-                self.leases.complete(notif.request_id, notif.reader, notif.readers)
+                self._counters.notifs += 1
+                self._leases.complete(notif.request_id, notif.reader, notif.readers)
 
     # --- decode role -------------------------------------------------------------------------------
 
     def pull(
         self,
-        params: p.KVTransferParams,
+        params: KVTransferParams,
         local_block_ids: Sequence[int],
         request_id: str | None = None,
     ) -> PullHandle:
-        """Start pulling `params.remote_block_ids` into `local_block_ids`; never blocks on the peer."""
-        return self.decode.pull(params, local_block_ids, request_id)
+        """Start pulling `params.remote_block_ids` into `local_block_ids`; never blocks on the peer.
+        InvalidRequestError (naming the field) when the params or ids are invalid: nothing is started."""
+        handle, start = self._decode.prepare(params, local_block_ids, request_id)
+        self._call(start)
+        return handle
 
-    def release_remote(self, params: p.KVTransferParams) -> None:
+    def release_remote(self, params: KVTransferParams) -> None:
         """Tell the prefill side to free a lease we will not read (best effort, non-blocking)."""
-        self._call(lambda: self.decode.send_release(params))
+        self._call(lambda: self._decode.send_release(params))
+
+    def _pull_done(self, pull: Pull, error: KVConnectError | None) -> None:
+        if self._on_pull_done is not None:
+            self._on_pull_done(pull.handle.stats, error)
+
+    # --- state -------------------------------------------------------------------------------------
+
+    def snapshot(self) -> ConnectorSnapshot:
+        """Counters and gauges for /health and /metrics (any thread; values may be a tick old)."""
+        c, leases, abandoned = self._counters, self._leases, self._decode.abandoned
+        return ConnectorSnapshot(
+            engine_id=self.engine_id, incarnation_id=self.incarnation_id, side_channel_port=self.side_channel_port,
+            pulls_ok=c.pulls_ok, pull_failures=dict(c.pull_failures), bytes_pulled=c.bytes_pulled,
+            handshakes=c.handshakes, handshake_failures=c.handshake_failures, notifs=c.notifs,
+            stale_notifs=c.stale_notifs, side_channel_refused=self._server.num_refused,
+            abandoned_reads=len(abandoned), quarantined_blocks=abandoned.num_blocks, leases_held=leases.num_held,
+            lease_blocks_held=leases.num_blocks_held,
+            leases_ended={state.value: count for state, count in leases.counts.items()})
 
     # --- loop --------------------------------------------------------------------------------------
 
@@ -220,7 +239,7 @@ class KVConnector:
             import torch
 
             torch.cuda.set_device(self.cache.regions[0].device)
-            if self.config.transport != "nixl":
+            if self.config.transport is not TransportChoice.NIXL:
                 self._warm_up_gather()
         tick_ms = max(int(self.config.poll_interval_s * 1000), 1)
         poller = zmq.Poller()
@@ -228,7 +247,7 @@ class KVConnector:
         poller.register(self._wake_r, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                ready = dict(poller.poll(0 if self.decode.busy() else tick_ms))
+                ready = dict(poller.poll(0 if self._decode.busy() else tick_ms))
                 if self._wake_r in ready:
                     try:
                         os.read(self._wake_r, 4096)
@@ -242,17 +261,17 @@ class KVConnector:
                     except queue.Empty:
                         break
                 self._drain_notifs()
-                self.decode.progress()
-                self.leases.expire()
+                self._decode.progress()
+                self._leases.expire()
             except Exception:  # keep serving; the failing pull or message was already answered
                 log.exception("kvconnect loop iteration failed")
 
     def _warm_up_gather(self) -> None:
-        from kvconnect.core.transports import ipc_gather as peer_copy
+        from kvconnect.core.transports import ipc_gather
 
         t0 = time.monotonic()
         try:
-            peer_copy.warm_up(self.cache.regions[0].device)
+            ipc_gather.warm_up(self.cache.regions[0].device)
         except Exception as e:  # no triton, no GPU support: peers fall back to NIXL at handshake
             log.info("IPC gather not compiled ahead (%s: %s)", type(e).__name__, e)
             return
@@ -270,9 +289,9 @@ class KVConnector:
             return
         self._stop.set()
         self._thread.join(timeout=10)
-        self.decode.close()
+        self._decode.close()
         self._server.close()
-        self.agent.close()
+        self._agent.close()
         self._ctx.term()
         os.close(self._wake_r)
         os.close(self._wake_w)

@@ -1,104 +1,78 @@
-"""Decode side of a connector: peers learned by handshake, and pulls driven to completion.
+"""Decode side of a connector: pulls driven from request to usable blocks.
 
-Runs on the connector's loop thread (except `pull`, which only validates and enqueues). A peer is one
-prefill rank (engine id + TP rank), cached together with its incarnation, remote NIXL agent, the plan
-chosen for it at handshake (`hetero.SourcePlan`) and prepared descriptor lists; a pull naming another
-incarnation, or a disconnect, drops the stale peer and handshakes again. A request read from several
-prefill ranks (heterogeneous TP) runs as one pull per rank, joined by a `PullGroup`.
+Runs on the connector's loop thread (except `prepare`, which only validates). Each pull goes
+WAIT_PEER -> POSTED -> CONFIRMING -> DONE, or FAILED from any of them (`pull.PullPhase`):
+
+- WAIT_PEER: the peer (`peers.py`) is handshaking; a pull naming another incarnation, or a disconnect,
+  drops the stale peer and handshakes again;
+- POSTED: the peer's transport (`transports/`) moves the blocks; with `pin_reads` the lease is pinned as
+  the transfer is posted, so a transfer that ends under a held pin needs no round trip;
+- CONFIRMING: without a held pin the prefill side is asked whether its lease held until the read ended;
+  only its COMPLETED makes the pull DONE (fail closed).
+
+Every pull ends by its deadline whatever its peer is doing (`_sweep_deadlines`). A request read from
+several prefill ranks (heterogeneous TP) runs as one pull per rank, joined by a `PullGroup`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
 
 import numpy as np
-import zmq
 
+from kvconnect.core import lease_client
 from kvconnect.core import protocol as p
-from kvconnect.core.agent import MemKind, PreppedList, XferState
-from kvconnect.core.descriptors import PairPlan, strided_descriptor_array, token_span
+from kvconnect.core.agent import XferState
+from kvconnect.core.cache import KVCache
+from kvconnect.core.config import ConnectorConfig
+from kvconnect.core.confirm import LeaseConfirmation
+from kvconnect.core.descriptors import token_span
 from kvconnect.core.errors import (
     HandshakeError,
     HandshakeTimeoutError,
     InvalidRequestError,
     KVConnectError,
-    LayoutMismatchError,
     LeaseLostError,
     PeerGoneError,
     TransferError,
     TransferTimeoutError,
 )
-from kvconnect.core.handshake import PeerChannel
-from kvconnect.core.hetero import Path, Source, SourcePlan, Sources, plan_source, plan_sources
-from kvconnect.core.layout import CacheSpec
-from kvconnect.core.pull import AbandonedReads, Pull, PullGroup, PullHandle, PullPhase
-from kvconnect.core.staging import StagingPool, scatter
-
-if TYPE_CHECKING:
-    from kvconnect.core.connector import KVConnector
+from kvconnect.core.hetero import Path, Source
+from kvconnect.core.params import KVTransferParams
+from kvconnect.core.peers import Peer, PeerSet, peer_key
+from kvconnect.core.pull import AbandonedReads, PinState, Pull, PullGroup, PullHandle, PullPhase, release_posted
+from kvconnect.core.snapshot import Counters
+from kvconnect.core.staging import place, reserve
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class Peer:
-    engine_id: str
-    host: str
-    port: int
-    channel: PeerChannel
-    source: Source
-    remote_tp: int = 1
-    hello_sent_s: float = 0.0
-    info: p.PeerInfo | None = None
-    agent_name: str = ""
-    plan: SourcePlan | None = None
-    remote_list: PreppedList | None = None
-    waiting: list[Pull] = field(default_factory=list)
-    confirming: dict[str, Pull] = field(default_factory=dict)
-    transport: str = "nixl"
-    mapped: Any = None  # a peer_copy.IpcGather when the same-host GPU path is used
-
-    @property
-    def ready(self) -> bool:
-        return self.remote_list is not None
-
-    @property
-    def key(self) -> str:
-        return f"{self.engine_id}#{self.source.rank}"
+# on_done(stats of the request, its error or None): once per request, on the loop thread
+DoneCallback = Callable[[Pull, KVConnectError | None], None]
 
 
 class DecodeSide:
-    def __init__(self, conn: KVConnector, ctx: zmq.Context, secret: bytes) -> None:
-        self._conn = conn
-        self._ctx = ctx
-        self._secret = secret
-        self._peers: dict[str, Peer] = {}
-        self._local_lists: dict[tuple, PreppedList] = {}
-        self._staging: dict[CacheSpec, StagingPool] = {}  # by staging spec (one per remote shape)
+    def __init__(self, peers: PeerSet, cache: KVCache, config: ConnectorConfig, engine_id: str,
+                 counters: Counters, on_done: DoneCallback) -> None:
+        self.peers = peers
+        self._cache = cache
+        self._config = config
+        self._engine_id = engine_id
+        self._counters = counters
+        self._on_done = on_done
         self._staging_wait: list[Pull] = []  # staging pulls waiting for free staging blocks
         self._posted: list[Pull] = []
-        self._sources: dict[int, Sources] = {}  # by remote TP size
-        self.abandoned = AbandonedReads(conn.agent)  # given-up READs that may still land
+        self.abandoned = AbandonedReads()  # given-up transfers that may still land
+        self._confirm = LeaseConfirmation(config, engine_id, self._succeed, self._fail)
 
     # --- any thread --------------------------------------------------------------------------------
 
-    def sources(self, remote_tp: int) -> Sources:
-        got = self._sources.get(remote_tp)
-        if got is None:
-            try:
-                got = self._sources[remote_tp] = plan_sources(self._conn.spec, remote_tp)
-            except LayoutMismatchError as e:
-                raise InvalidRequestError("kv_transfer_params.tp_size", str(e)) from e
-        return got
-
-    def pull(self, params: p.KVTransferParams, local_block_ids: Sequence[int], request_id: str | None) -> PullHandle:
-        conn = self._conn
-        pull = Pull.from_params(params, local_block_ids, request_id, conn.spec, conn.config.pull_timeout_s)
-        sources = self.sources(pull.remote_tp)
+    def prepare(self, params: KVTransferParams, local_block_ids: Sequence[int],
+                request_id: str | None) -> tuple[PullHandle, Callable[[], None]]:
+        """Validate a pull; returns its handle and the function that starts it on the loop thread."""
+        pull = Pull.from_params(params, local_block_ids, request_id, self._cache.spec, self._config.pull_timeout_s)
+        sources = self.peers.sources(pull.remote_tp)
         if len(sources.reads) == 1:
             pull.source = sources.reads[0]
             pull.remote_port += pull.source.rank
@@ -115,97 +89,56 @@ class DecodeSide:
             for rank in sources.release_only:
                 self._send_release_to(params, rank)  # copies of heads nobody reads: free them now
 
-        conn._call(start)
-        return pull.handle
+        return pull.handle, start
 
     # --- loop thread -------------------------------------------------------------------------------
 
     def busy(self) -> bool:
-        """True while a READ or a confirmation is in flight: the loop then spins instead of sleeping."""
-        return bool(self._posted) or any(peer.confirming for peer in self._peers.values())
+        """True while a transfer or a confirmation is in flight: the loop then spins instead of sleeping."""
+        return bool(self._posted) or any(peer.confirming for peer in self.peers.all())
 
     def _start(self, pull: Pull) -> None:
         pull.handle.stats.queued_s = time.monotonic() - pull.requested_s
         assert pull.source is not None
-        peer = self._peers.get(pull.peer_key)
-        if peer is not None and (peer.host, peer.port, peer.remote_tp) != (pull.remote_host, pull.remote_port,
-                                                                          pull.remote_tp):
-            self._fail_peer(peer, PeerGoneError(f"engine {peer.engine_id}: side channel address changed"))
-            peer = None
-        if peer is not None and peer.source != pull.source:
-            if peer.plan is None:
-                peer.source = pull.source  # made to send a release; it reads these heads from now on
+        peer = self.peers.get(pull.peer_key)
+        stale = self.peers.stale(peer, pull) if peer is not None else None
+        if peer is not None and stale is not None:
+            why, moved = stale
+            if moved:  # its pulls cannot reach it where they think it is
+                self._fail_peer(peer, PeerGoneError(f"engine {peer.engine_id}: {why}"))
             else:
-                self._drop_peer(peer, "pull reads other heads from this rank")
-                peer = None
-        if (peer is not None and peer.info is not None
-                and pull.expected_incarnation not in (None, peer.info.incarnation_id)):
-            self._drop_peer(peer, f"pull names incarnation {pull.expected_incarnation[:12]}")
+                self._drop_peer(peer, why)
             peer = None
         if peer is None:
-            peer = Peer(pull.remote_engine_id, pull.remote_host, pull.remote_port,
-                        PeerChannel(self._ctx, pull.remote_host, pull.remote_port, self._secret), pull.source,
-                        pull.remote_tp)
-            self._peers[peer.key] = peer
+            peer = self.peers.new(pull.remote_engine_id, pull.remote_host, pull.remote_port, pull.source,
+                                  pull.remote_tp)
         if peer.ready:
             self._post(peer, pull)
             return
         peer.waiting.append(pull)
         if not peer.hello_sent_s:
             peer.hello_sent_s = time.monotonic()
-            peer.channel.send(p.Hello(p.PROTOCOL_VERSION, self._conn.engine_id))
+            peer.channel.send(p.Hello(p.PROTOCOL_VERSION, self._engine_id))
 
     def _peer_ready(self, peer: Peer, info: p.PeerInfo) -> None:
-        conn = self._conn
         t0 = time.monotonic()
         try:
-            if info.engine_id != peer.engine_id:
-                raise InvalidRequestError("kv_transfer_params.remote_engine_id", f"peer at {peer.host}:"
-                                          f"{peer.port} is engine {info.engine_id!r}, not {peer.engine_id!r}")
-            if (info.spec.tp_size, info.spec.tp_rank) != (peer.remote_tp, peer.source.rank):
-                raise LayoutMismatchError(
-                    {"tp_rank": (peer.source.rank, info.spec.tp_rank), "tp_size": (peer.remote_tp, info.spec.tp_size)},
-                    f"peer at {peer.host}:{peer.port} is rank {info.spec.tp_rank} of {info.spec.tp_size}, expected "
-                    f"rank {peer.source.rank} of {peer.remote_tp} (ranks listen on base port + rank)")
-            staging_blocks = conn.config.staging_mb * 2**20 // info.spec.block_bytes
-            plan = plan_source(conn.spec, info.spec, peer.source, conn.config.hetero_path, staging_blocks)
-            pair = plan.pair
-            peer.agent_name = conn.agent.add_remote(info.agent_metadata)
-            remote_mem = MemKind.for_device(info.spec.device)
-            peer.remote_list = conn.agent.prep(
-                peer.agent_name,
-                strided_descriptor_array(pair.remote_units, info.spec.num_blocks, info.base_addrs, info.device_id),
-                remote_mem,
-            )
-            if plan.staging_spec is not None and plan.staging_spec not in self._staging:
-                pool = StagingPool(plan.staging_spec)
-                conn.agent.register(np.array([[addr, plan.staging_spec.region_bytes, pool.cache.device_id]
-                                              for addr in pool.cache.base_addrs()], dtype=np.int64), conn.mem)
-                self._staging[plan.staging_spec] = pool
-                log.info("staging cache for %s: %d blocks, %.0f MiB", info.spec.kind.value, pool.capacity,
-                         plan.staging_spec.cache_bytes / 2**20)
-            key = self._local_key(plan)
-            if key not in self._local_lists:
-                target = self._staging[plan.staging_spec].cache if plan.staging_spec is not None else conn.cache
-                self._local_lists[key] = conn.agent.prep(
-                    "",
-                    strided_descriptor_array(pair.local_units, pair.local_spec.num_blocks, target.base_addrs(),
-                                             target.device_id),
-                    conn.mem,
-                )
-            peer.plan, peer.info = plan, info
-            if plan.path is Path.BLOCK:
-                self._try_ipc(peer, info, pair)
-        except KVConnectError as e:
-            conn.counters.handshake_failures += 1
-            self._fail_peer(peer, e)
+            self.peers.setup(peer, info)
+        except Exception as e:  # a set-up that failed half way: the peer is dropped and handshaken again
+            self._counters.handshake_failures += 1
+            error = e if isinstance(e, KVConnectError) else HandshakeError(
+                f"engine {peer.engine_id}: peer set-up failed: {type(e).__name__}: {e}")
+            if not isinstance(e, KVConnectError):
+                log.exception("peer %s: set-up failed", peer.key)
+            self._fail_peer(peer, error)
             return
-        conn.counters.handshakes += 1
+        self._counters.handshakes += 1
         handshake_s = time.monotonic() - peer.hello_sent_s
+        assert peer.plan is not None and peer.transport is not None
         log.info("peer %s ready: incarnation %s, %s<-%s, %s, %d descriptors per block, over %s, handshake %.1f ms "
-                 "(setup %.1f ms)", peer.key, info.incarnation_id[:12], conn.spec.kind.value,
-                 info.spec.kind.value, plan.describe(), plan.descs_per_block, peer.transport, handshake_s * 1e3,
-                 (time.monotonic() - t0) * 1e3)
+                 "(setup %.1f ms)", peer.key, info.incarnation_id[:12], self._cache.spec.kind.value,
+                 info.spec.kind.value, peer.plan.describe(), peer.plan.descs_per_block, peer.transport.kind.value,
+                 handshake_s * 1e3, (time.monotonic() - t0) * 1e3)
         waiting, peer.waiting = peer.waiting, []
         for pull in waiting:
             pull.handle.stats.handshake_s = handshake_s
@@ -216,277 +149,150 @@ class DecodeSide:
             else:
                 self._post(peer, pull)
 
-    @staticmethod
-    def _local_key(plan: SourcePlan) -> tuple:
-        """Identifies a local prepared list: plans with equal local unit tables share one."""
-        table = plan.pair.local_units
-        return (table.granularity, table.unit_bytes, table.region.tobytes(), table.offset_bytes.tobytes(),
-                plan.pair.local_spec)
-
-    def _try_ipc(self, peer: Peer, info: p.PeerInfo, pair: PairPlan) -> None:
-        """Use the IPC gather for a same-host GPU peer when allowed; NIXL stays as the fallback."""
-        conn = self._conn
-        if conn.config.transport == "nixl" or conn.spec.device != "cuda" or info.spec.device != "cuda":
-            return
-        from kvconnect.core.transports import ipc_gather as peer_copy
-
-        try:
-            peer.mapped = peer_copy.IpcGather.open(info, pair, conn.cache)
-            peer.transport = "ipc"
-        except peer_copy.PeerCopyError as e:
-            if conn.config.transport == "ipc":
-                raise
-            log.info("peer %s: CUDA IPC gather unavailable (%s); using NIXL", peer.engine_id, e)
-
     def _post(self, peer: Peer, pull: Pull) -> None:
-        conn = self._conn
-        assert peer.plan is not None and peer.remote_list is not None and peer.info is not None
-        plan_src = peer.plan
+        plan_src, transport, info = peer.plan, peer.transport, peer.info
+        assert plan_src is not None and transport is not None and info is not None and pull.source is not None
         t0 = time.monotonic()
         try:
             if plan_src.path is Path.STAGING:
-                if not self._reserve_staging(plan_src, pull):
+                if not reserve(self.peers.staging_pool(plan_src), pull):
                     self._staging_wait.append(pull)
                     return
                 assert pull.staging_ids is not None
-                local_ids: Sequence[int] | np.ndarray = pull.staging_ids
+                local, remote = transport.order(np.asarray(pull.staging_ids, dtype=np.int64), pull.remote_block_ids)
             else:
-                local_ids = pull.local_block_ids
-            if peer.mapped is not None:  # one gather kernel: issue order is irrelevant
-                local, remote = plan_src.pair.bounds_checked(pull.local_block_ids, pull.remote_block_ids)
-            else:
-                local, remote = plan_src.pair.order_checked(local_ids, pull.remote_block_ids)  # see from_params
+                local, remote = transport.order(pull.local_block_ids, pull.remote_block_ids)
             if not plan_src.pair.block_for_block or plan_src.path is Path.STAGING:
-                pull.num_tokens = token_span(len(pull.local_block_ids), conn.spec.block_size,
-                                             len(pull.remote_block_ids), peer.info.spec.block_size, pull.num_tokens)
+                pull.num_tokens = token_span(len(pull.local_block_ids), self._cache.spec.block_size,
+                                             len(pull.remote_block_ids), info.spec.block_size, pull.num_tokens)
         except InvalidRequestError as e:
             self._fail(pull, e)
             return
-        pull.incarnation_id = peer.info.incarnation_id
         stats = pull.handle.stats
         stats.validate_s = time.monotonic() - t0
         stats.granularity = plan_src.pair.granularity.name
-        stats.transport = peer.transport
+        stats.transport = transport.kind.value
         stats.path = plan_src.path.value
+        notif = p.encode_notif(pull.remote_request_id, info.incarnation_id, pull.source.reader, pull.source.readers,
+                               pull.remote_block_ids.tolist())
         try:
-            if peer.mapped is not None:  # launch first: the plan below is only bookkeeping for this path
-                pull.event = peer.mapped.post(local, remote)
-                state = XferState.PROC
-                posted_s = time.monotonic()
-                plan = pull.plan = plan_src.pair.summary(int(local.size))
-            else:
-                plan = pull.plan = plan_src.pair.plan_validated(local, remote, pull.num_tokens)
-                src = pull.source
-                assert src is not None
-                notif = p.encode_notif(pull.remote_request_id, peer.info.incarnation_id, src.reader, src.readers)
-                pull.xfer = conn.agent.read(self._local_lists[self._local_key(plan_src)], plan.local_indices,
-                                            peer.remote_list, plan.remote_indices, notif)
-                state = conn.agent.post(pull.xfer)
-                posted_s = time.monotonic()
+            pull.posted, state, plan = transport.post(local, remote, pull.num_tokens, notif)
         except KVConnectError as e:
             if isinstance(e, PeerGoneError):
                 self._drop_peer(peer, str(e))
             self._fail(pull, e)
             return
+        pull.posted_s = time.monotonic()
         stats.num_blocks, stats.bytes = plan.num_blocks, plan.total_bytes
         stats.num_descs, stats.num_descs_merged = plan.num_descs, plan.num_descs_merged
-        pull.posted_s = posted_s
-        stats.post_s = posted_s - t0
+        stats.post_s = pull.posted_s - t0
         pull.phase = PullPhase.POSTED
         self._posted.append(pull)
-        if self._pins_reads(pull):
-            self._send_pin(peer, pull)
+        self._confirm.posted(peer, pull)
         self._check(pull, state)
-
-    def _pins_reads(self, pull: Pull) -> bool:
-        config = self._conn.config
-        return config.pin_reads and (config.confirm_reads or pull.handle.stats.transport == "ipc")
-
-    def _send_pin(self, peer: Peer, pull: Pull) -> None:
-        """Ask the prefill side to keep the blocks until we confirm (so the READ's end needs no round trip)."""
-        src = pull.source
-        assert src is not None
-        now = time.monotonic()
-        pin_s = max(pull.deadline_s - now, 0.001)
-        pull.pin_until_s = now + pin_s  # the prefill pins from when it gets this, so at least until then
-        pull.pin = "sent"
-        peer.confirming[pull.remote_request_id] = pull
-        peer.channel.send(p.LeaseRequest(p.PROTOCOL_VERSION, self._conn.engine_id, pull.remote_request_id,
-                                         p.LeaseAction.PIN, reader=src.reader, readers=src.readers,
-                                         pin_ms=int(pin_s * 1000)))
-
-    def _reserve_staging(self, plan: SourcePlan, pull: Pull) -> bool:
-        """Staging blocks for the pull's remote blocks (False: wait); InvalidRequestError if it can never fit."""
-        assert plan.staging_spec is not None
-        pool = self._staging[plan.staging_spec]
-        ids = pool.alloc(len(pull.remote_block_ids))
-        if ids is None:
-            return False
-        pull.staging_ids = ids
-
-        def free() -> None:
-            if pull.staging_ids is not None:
-                pool.free(pull.staging_ids)
-                pull.staging_ids = None
-
-        pull.on_settled = free
-        return True
-
-    def _scatter(self, pull: Pull) -> KVConnectError | None:
-        """Staging path: move the pulled tokens and heads into the decode cache, then free the staging blocks."""
-        peer = self._peers.get(pull.peer_key)
-        if peer is None or peer.plan is None or peer.plan.staging_spec is None:
-            return PeerGoneError(f"engine {pull.remote_engine_id} dropped before its staged blocks were placed")
-        assert pull.staging_ids is not None and pull.num_tokens is not None and pull.source is not None
-        t0 = time.monotonic()
-        cache = self._conn.cache
-        scatter(self._staging[peer.plan.staging_spec].cache, pull.staging_ids, cache, pull.local_block_ids,
-                pull.num_tokens, pull.source.heads)
-        if cache.spec.device == "cuda":
-            import torch
-
-            torch.cuda.current_stream(cache.regions[0].device).synchronize()
-        pull.handle.stats.scatter_s = time.monotonic() - t0
-        return None
 
     def _check(self, pull: Pull, state: XferState) -> None:
         if state is XferState.PROC:
             return
         self._posted.remove(pull)
         if state is XferState.ERR:
-            self._release_xfer(pull)
-            self._fail(pull, TransferError(f"pull {pull.handle.request_id}: NIXL reported ERR"))
+            release_posted(pull)
+            self._fail(pull, TransferError(f"pull {pull.handle.request_id}: the transfer reported ERR"))
             return
         now = time.monotonic()
         pull.read_done_s = now
         pull.handle.stats.transfer_s = now - pull.posted_s
-        if pull.xfer is not None and self._conn.config.telemetry:
-            issued = self._conn.agent.telemetry_descs(pull.xfer)
-            if issued is not None:
-                pull.extra["issued_descs"] = issued
-        self._release_xfer(pull)
+        if pull.posted is not None and self._config.telemetry:
+            pull.handle.stats.num_descs_issued = pull.posted.issued_descs() or 0
+        release_posted(pull)
+        peer = self.peers.get(pull.peer_key)
         if pull.staging_ids is not None:
-            error = self._scatter(pull)
-            pull.run_on_settled()
-            if error is not None:
-                self._fail(pull, error)
+            if peer is None or peer.plan is None:
+                pull.run_on_settled()
+                self._fail(pull, PeerGoneError(f"engine {pull.remote_engine_id} dropped before its staged blocks "
+                                               "were placed"))
                 return
-        if not self._conn.config.confirm_reads and pull.handle.stats.transport != "ipc":
-            self._succeed(pull)  # (an IPC gather sends no notification: its confirmation ends the lease)
-            return
-        pull.phase = PullPhase.CONFIRMING
-        if pull.pin == "sent":
-            return  # the pin's answer decides (_on_reply)
-        self._after_pin(pull)
-
-    def _after_pin(self, pull: Pull) -> None:
-        """READ done, pin answered (or none asked): succeed under a live pin, else confirm the old way."""
-        peer = self._peers.get(pull.peer_key)
-        if peer is None:
-            self._fail(pull, PeerGoneError(f"engine {pull.remote_engine_id} dropped before confirmation"))
-            return
-        if pull.pin not in ("", "held"):
-            self._fail(pull, LeaseLostError(f"pull {pull.handle.request_id}: prefill lease was {pull.pin} "
-                                            "before the read was pinned; data discarded"))
-            return
-        src = pull.source
-        assert src is not None
-        confirm = p.LeaseRequest(p.PROTOCOL_VERSION, self._conn.engine_id, pull.remote_request_id,
-                                 p.LeaseAction.CONFIRM, reader=src.reader, readers=src.readers)
-        if pull.pin == "held" and time.monotonic() < pull.pin_until_s:
-            peer.channel.send(confirm)  # ends our pin and, for the last reader, the lease; answer not needed
-            pull.handle.stats.confirm_s = time.monotonic() - pull.read_done_s
-            self._succeed(pull)
-            return
-        peer.confirming[pull.remote_request_id] = pull
-        peer.channel.send(confirm)
+            pull.handle.stats.scatter_s = place(self.peers.staging_pool(peer.plan), self._cache, pull)
+        self._confirm.read_done(peer, pull)
 
     def progress(self) -> None:
-        """One loop tick: replies, READ states, cancellations and deadlines."""
+        """One loop tick: replies, transfer states, cancellations and deadlines."""
         now = time.monotonic()
-        for peer in list(self._peers.values()):
+        for peer in self.peers.all():
             for ref, reply in peer.channel.receive():
                 self._on_reply(peer, ref, reply)
         for pull in list(self._posted):
-            if pull.event is not None:  # IPC gather: a local kernel, it always finishes
-                if pull.event.query():
-                    pull.event = None
-                    self._check(pull, XferState.DONE)
-                continue
-            if pull.handle.cancel_requested or now >= pull.deadline_s:
+            assert pull.posted is not None
+            if pull.posted.abandonable and (pull.handle.cancel_requested or now >= pull.deadline_s):
                 self._posted.remove(pull)
                 self._abandon(pull, now)
                 continue
-            assert pull.xfer is not None
             try:
-                state = self._conn.agent.state(pull.xfer)
+                state = pull.posted.state()
             except KVConnectError as e:
                 self._posted.remove(pull)
-                self._release_xfer(pull)
-                if isinstance(e, PeerGoneError) and pull.peer_key in self._peers:
-                    self._drop_peer(self._peers[pull.peer_key], str(e))
+                release_posted(pull)
+                owner = self.peers.get(pull.peer_key)
+                if isinstance(e, PeerGoneError) and owner is not None:
+                    self._drop_peer(owner, str(e))
                 self._fail(pull, e)
                 continue
             self._check(pull, state)
         waiting, self._staging_wait = self._staging_wait, []
         for pull in waiting:
-            staged_for = self._peers.get(pull.peer_key)
+            staged_for = self.peers.get(pull.peer_key)
             if pull.handle.cancel_requested or now >= pull.deadline_s or staged_for is None or not staged_for.ready:
                 self.send_release_for(pull)
                 self._fail(pull, TransferTimeoutError(f"pull {pull.handle.request_id}: no staging space before "
                                                       "the deadline (raise staging_mb)"))
             else:
                 self._post(staged_for, pull)
-        for peer in list(self._peers.values()):
-            if not peer.ready and peer.waiting and now - peer.hello_sent_s >= self._conn.config.handshake_timeout_s:
-                self._conn.counters.handshake_failures += 1
+        self._sweep_deadlines(now)
+        self.abandoned.poll()
+
+    def _sweep_deadlines(self, now: float) -> None:
+        """Handshakes past their deadline fail their peer; any other waiting or confirming pull past its own
+        deadline (or cancelled) fails alone, whatever its peer is doing."""
+        timeout_s = self._config.handshake_timeout_s
+        for peer in self.peers.all():
+            if not peer.ready and peer.waiting and now - peer.hello_sent_s >= timeout_s:
+                self._counters.handshake_failures += 1
                 self._fail_peer(peer, HandshakeTimeoutError(
-                    f"engine {peer.engine_id} at {peer.host}:{peer.port}: no handshake answer within "
-                    f"{self._conn.config.handshake_timeout_s:.3g}s"))
+                    f"engine {peer.engine_id} at {peer.host}:{peer.port}: no handshake answer within {timeout_s:.3g}s"))
+                continue
+            for late in [x for x in peer.waiting if x.handle.cancel_requested or now >= x.deadline_s]:
+                peer.waiting.remove(late)
+                self.send_release_for(late)
+                self._fail(late, TransferTimeoutError(
+                    f"pull {late.handle.request_id}: peer {peer.key} not ready within the pull's deadline"
+                    if not late.handle.cancel_requested else f"pull {late.handle.request_id} cancelled"))
             for rid, pull in list(peer.confirming.items()):
                 if pull.phase is PullPhase.POSTED:
-                    continue  # a PIN answer pending while the READ runs: the READ's deadline covers it
+                    continue  # a PIN answer pending while the transfer runs: the transfer's deadline covers it
                 if pull.handle.cancel_requested or now >= pull.deadline_s:
                     del peer.confirming[rid]
                     peer.channel.forget(f"lease:{rid}")
                     self._fail(pull, TransferTimeoutError(f"pull {pull.handle.request_id}: lease not confirmed "
                                                           "before the deadline; data discarded"))
-        self.abandoned.poll()
 
     def _on_reply(self, peer: Peer, ref: str, reply: p.PeerInfo | p.LeaseReply | HandshakeError) -> None:
         if ref == "hello" or (isinstance(reply, HandshakeError) and not ref):
             if isinstance(reply, p.PeerInfo):
-                self._peer_ready(peer, reply)
+                if not peer.ready:
+                    self._peer_ready(peer, reply)
             elif isinstance(reply, HandshakeError) and not peer.ready:
-                self._conn.counters.handshake_failures += 1
+                self._counters.handshake_failures += 1
                 self._fail_peer(peer, reply)
             return
         pull = peer.confirming.pop(ref.removeprefix("lease:"), None)
         if pull is None or pull.phase in (PullPhase.DONE, PullPhase.FAILED):
             return
-        if pull.pin == "sent":  # the answer to our PIN
-            if isinstance(reply, HandshakeError):
-                pull.pin = f"unpinned ({reply})"
-            else:
-                assert isinstance(reply, p.LeaseReply)
-                # COMPLETED: our READ's notification already ended the lease, so it read under the lease
-                good = reply.state in (p.LeaseState.HELD, p.LeaseState.COMPLETED)
-                pull.pin = "held" if good else reply.state.value
-            if pull.phase is PullPhase.CONFIRMING:  # the READ is already done
-                self._after_pin(pull)
-            return
-        if isinstance(reply, HandshakeError):
-            self._fail(pull, reply)
-        elif isinstance(reply, p.LeaseReply) and reply.state is p.LeaseState.COMPLETED:
-            pull.handle.stats.confirm_s = time.monotonic() - pull.read_done_s
-            self._succeed(pull)
-        else:
-            state = reply.state.value if isinstance(reply, p.LeaseReply) else "?"
-            self._fail(pull, LeaseLostError(f"pull {pull.handle.request_id}: prefill lease was {state} "
-                                            "when the read finished; data discarded"))
+        assert not isinstance(reply, p.PeerInfo)
+        self._confirm.answer(peer, pull, reply)
 
     def _abandon(self, pull: Pull, now: float) -> None:
-        self.abandoned.add(pull, getattr(self._peers.get(pull.peer_key), "agent_name", ""))
+        peer = self.peers.get(pull.peer_key)
+        self.abandoned.add(pull, peer.agent_name if peer is not None else "")
         self.send_release_for(pull)
         if pull.handle.cancel_requested:
             self._fail(pull, TransferError(f"pull {pull.handle.request_id} cancelled"))
@@ -497,53 +303,44 @@ class DecodeSide:
 
     def send_release_for(self, pull: Pull) -> None:
         """Release the lease this pull reads (as its reader: that also drops its pin)."""
-        peer = self._peers.get(pull.peer_key)
+        peer = self.peers.get(pull.peer_key)
         if peer is not None:
             peer.confirming.pop(pull.remote_request_id, None)
-            reader = pull.source.reader if pull.source is not None else -1
-            peer.channel.send(p.LeaseRequest(p.PROTOCOL_VERSION, self._conn.engine_id, pull.remote_request_id,
-                                             p.LeaseAction.RELEASE, reader=reader))
+            reader = pull.source.reader if pull.source is not None else lease_client.NON_READER
+            peer.channel.send(lease_client.release(self._engine_id, pull.remote_request_id, pull.remote_block_ids,
+                                                   reader))
 
-    def send_release(self, params: p.KVTransferParams) -> None:
-        """Release the lease on every rank of the prefill's TP group."""
-        for rank in range(max(params.tp_size, 1)):
+    def send_release(self, params: KVTransferParams) -> None:
+        """Release the lease on every rank of the prefill's TP group, as a non-reader (no pin is dropped)."""
+        for rank, _, _ in lease_client.release_targets(params):
             self._send_release_to(params, rank)
 
-    def _send_release_to(self, params: p.KVTransferParams, rank: int) -> None:
-        if not (params.remote_engine_id and params.remote_host and params.remote_port and params.remote_request_id):
+    def _send_release_to(self, params: KVTransferParams, rank: int) -> None:
+        targets = lease_client.release_targets(params)
+        if rank >= len(targets) or not params.remote_engine_id:
             return
-        peer = self._peers.get(f"{params.remote_engine_id}#{rank}")
+        _, host, port = targets[rank]
+        peer = self.peers.get(peer_key(params.remote_engine_id, rank))
         if peer is None:
-            port = params.remote_port + rank
-            peer = Peer(params.remote_engine_id, params.remote_host, port,
-                        PeerChannel(self._ctx, params.remote_host, port, self._secret), Source(rank, (0, 0), 0, 1),
-                        params.tp_size)
-            self._peers[peer.key] = peer
-        peer.channel.send(p.LeaseRequest(p.PROTOCOL_VERSION, self._conn.engine_id, params.remote_request_id,
-                                         p.LeaseAction.RELEASE, reader=-1))
-
-    def _release_xfer(self, pull: Pull) -> None:
-        if pull.xfer is not None:
-            self._conn.agent.release(pull.xfer)
-            pull.xfer = None
+            peer = self.peers.new(params.remote_engine_id, host, port, Source(rank, (0, 0), 0, 1), params.tp_size)
+        peer.channel.send(lease_client.release(self._engine_id, params.remote_request_id or "",
+                                               params.remote_block_ids or []))
 
     def _succeed(self, pull: Pull) -> None:
-        conn = self._conn
-        conn.counters.bytes_pulled += pull.handle.stats.bytes
-        conn.counters.descs_posted += pull.handle.stats.num_descs_merged
+        self._counters.bytes_pulled += pull.handle.stats.bytes
         pull.finish(None)
         self._report(pull, None)
 
     def _fail(self, pull: Pull, error: KVConnectError) -> None:
         if pull.phase in (PullPhase.DONE, PullPhase.FAILED):
             return
-        if pull.pin:  # drop our pin now rather than when it times out
+        if pull.pin is not PinState.NONE:  # drop our pin now rather than when it times out
             self.send_release_for(pull)
         rank = pull.source.rank if pull.source is not None else 0
         log.warning("pull %s from %s failed: %s%s", pull.handle.request_id, pull.remote_engine_id, error,
                     f" (prefill rank {rank})" if rank else "")
-        if pull.xfer is None:
-            pull.run_on_settled()  # no READ can land in its staging blocks any more
+        if pull.posted is None:
+            pull.run_on_settled()  # no transfer can land in its staging blocks any more
         pull.finish(error)
         self._report(pull, error)
 
@@ -553,13 +350,11 @@ class DecodeSide:
             if not pull.group.part_done(pull, error):
                 return
             pull = pull.group.parent
-        conn = self._conn
         if error is None:
-            conn.counters.pulls_ok += 1
+            self._counters.pulls_ok += 1
         else:
-            conn.counters.failed(error)
-        if conn.on_pull_done:
-            conn.on_pull_done(pull.handle.stats, error)
+            self._counters.failed(error)
+        self._on_done(pull, error)
 
     def _fail_peer(self, peer: Peer, error: KVConnectError) -> None:
         waiting, peer.waiting = peer.waiting, []
@@ -568,28 +363,23 @@ class DecodeSide:
             self._fail(pull, error)
 
     def _drop_peer(self, peer: Peer, why: str) -> None:
-        """Forget a peer: its remote agent, prepared lists and channel. In-flight pulls fail."""
+        """Forget a peer: its remote agent, prepared lists, transport and channel. In-flight pulls fail."""
         log.info("dropping peer %s: %s", peer.key, why)
-        self._peers.pop(peer.key, None)
         for pull in [x for x in self._posted if x.peer_key == peer.key]:
-            self._posted.remove(pull)
-            self.abandoned.add(pull, peer.agent_name)
+            self._posted.remove(pull)  # it may still write into its blocks: held until it really ends
+            abandonable = pull.posted is not None and pull.posted.abandonable
+            self.abandoned.add(pull, peer.agent_name if abandonable else "")
             self._fail(pull, PeerGoneError(f"engine {peer.engine_id} dropped: {why}"))
         for pull in peer.confirming.values():
             self._fail(pull, PeerGoneError(f"engine {peer.engine_id} dropped before confirmation: {why}"))
         peer.confirming.clear()
-        if peer.agent_name and not self.abandoned.uses(peer.agent_name):  # (else freed at close)
-            self._conn.agent.remove_remote(peer.agent_name)
-        if peer.mapped is not None:
-            peer.mapped.close()
-            peer.mapped = None
-        peer.channel.close()
+        self.peers.forget(peer, keep_agent=self.abandoned.uses(peer.agent_name))
 
     def close(self) -> None:
-        for peer in list(self._peers.values()):
+        for peer in self.peers.all():
             self._fail_peer(peer, PeerGoneError("connector closed"))
         for pull in list(self._posted):
             self._posted.remove(pull)
-            self._release_xfer(pull)
+            release_posted(pull)
             self._fail(pull, TransferError("connector closed"))
         self.abandoned.close()

@@ -60,28 +60,6 @@ def strided_descriptor_array(
     return out
 
 
-def validate_block_ids(field: str, ids: Sequence[int] | np.ndarray, num_blocks: int) -> np.ndarray:
-    """Block ids as int64, or InvalidRequestError naming `field` (empty, out of range, duplicated)."""
-    try:
-        arr = np.asarray(ids)
-    except (TypeError, ValueError) as e:
-        raise InvalidRequestError(field, f"not a list of integers ({e})") from e
-    if arr.ndim != 1:
-        raise InvalidRequestError(field, f"must be a flat list, got shape {arr.shape}")
-    if arr.size == 0:
-        raise InvalidRequestError(field, "is empty")
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise InvalidRequestError(field, f"must hold integers, got {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
-    bad = arr[(arr < 0) | (arr >= num_blocks)]
-    if bad.size:
-        raise InvalidRequestError(field, f"block ids {bad[:8].tolist()} outside [0, {num_blocks})")
-    uniq, counts = np.unique(arr, return_counts=True)
-    if uniq.size != arr.size:
-        raise InvalidRequestError(field, f"duplicated block ids {uniq[counts > 1][:8].tolist()}")
-    return arr
-
-
 def token_span(n_local: int, local_block: int, n_remote: int, remote_block: int, num_tokens: int | None) -> int:
     """How many tokens a request moves when the two sides' block sizes differ; InvalidRequestError when the
     two block lists cannot hold the same tokens."""
@@ -150,25 +128,11 @@ class PairPlan:
     def remote_descs(self, base_addrs: Sequence[int], device_id: int) -> np.ndarray:
         return descriptor_array(self.remote_units, self.remote_spec.num_blocks, base_addrs, device_id)
 
-    def validate(
-        self, local_ids: Sequence[int] | np.ndarray, remote_ids: Sequence[int] | np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Checked block ids as int64 pairs sorted by remote id; raises InvalidRequestError."""
-        local = validate_block_ids("local_block_ids", local_ids, self.local_spec.num_blocks)
-        remote = validate_block_ids("remote_block_ids", remote_ids, self.remote_spec.num_blocks)
-        if not self.block_for_block:
-            return local, remote  # token order matters here
-        if local.size != remote.size:
-            raise InvalidRequestError(
-                "remote_block_ids", f"{remote.size} remote blocks for {local.size} local blocks"
-            )
-        order = np.argsort(remote, kind="stable")
-        return local[order], remote[order]
-
     def order_checked(self, local_ids: Sequence[int] | np.ndarray,
                       remote_ids: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """`validate` for ids that already passed `validate_block_ids` (integers, non-negative, unique) against
-        an unknown remote size: `bounds_checked`, then pairs sorted by remote id (block for block). The hot path."""
+        """Ids that already passed `params.validate_block_ids` (integers, non-negative, unique) checked against
+        both sides' sizes (`bounds_checked`), as pairs sorted by remote id when block for block: the order a
+        READ issues them in, so runs of consecutive blocks merge."""
         local, remote = self.bounds_checked(np.asarray(local_ids, dtype=np.int64),
                                             np.asarray(remote_ids, dtype=np.int64))
         if not self.block_for_block:
@@ -194,14 +158,9 @@ class PairPlan:
         empty = np.empty(0, dtype=np.int32)
         return PullPlan(empty, empty, num_blocks, units, units, units * self.unit_bytes)
 
-    def plan(self, local_ids: Sequence[int] | np.ndarray, remote_ids: Sequence[int] | np.ndarray,
-             num_tokens: int | None = None) -> PullPlan:
-        """Index arrays for pulling remote_ids[i] into local_ids[i] (block for block), or the tokens the two
-        block lists hold (CHUNK plans); raises InvalidRequestError."""
-        return self.plan_validated(*self.validate(local_ids, remote_ids), num_tokens=num_tokens)
-
     def plan_validated(self, local: np.ndarray, remote: np.ndarray, num_tokens: int | None = None) -> PullPlan:
-        """`plan` for ids that came out of `validate`."""
+        """Index arrays for pulling remote[i] into local[i] (block for block), or the tokens the two block lists
+        hold (CHUNK plans), for ids that came out of `order_checked`; raises InvalidRequestError."""
         if not self.block_for_block:
             return self._plan_segments(local, remote, num_tokens)
         num_units = self.local_units.num_units
@@ -262,32 +221,3 @@ def _count_merged(local_t: UnitTable, remote_t: UnitTable, local: np.ndarray, re
     size = local_t.unit_bytes
     joins = (lr[1:] == lr[:-1]) & (lo[1:] == lo[:-1] + size) & (rr[1:] == rr[:-1]) & (ro[1:] == ro[:-1] + size)
     return int(lo.size - np.count_nonzero(joins))
-
-
-def merge_runs(
-    dst: np.ndarray, src: np.ndarray, dst_region: np.ndarray | None = None, src_region: np.ndarray | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Merge (N, 3) descriptor pairs, in order, where both sides continue the previous one (and stay
-    in the same registered region, when regions are given).
-
-    Returns the merged (M, 3) arrays: what a READ actually touches.
-    """
-    if dst.shape != src.shape:
-        raise ValueError("descriptor arrays differ in shape")
-    if dst.shape[0] == 0:
-        return dst.copy(), src.copy()
-    joins = (
-        (dst[1:, 0] == dst[:-1, 0] + dst[:-1, 1])
-        & (src[1:, 0] == src[:-1, 0] + src[:-1, 1])
-        & (dst[1:, 2] == dst[:-1, 2])
-        & (src[1:, 2] == src[:-1, 2])
-    )
-    if dst_region is not None and src_region is not None:
-        joins &= (dst_region[1:] == dst_region[:-1]) & (src_region[1:] == src_region[:-1])
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    lengths = np.add.reduceat(dst[:, 1], starts)
-    out_dst = dst[starts].copy()
-    out_src = src[starts].copy()
-    out_dst[:, 1] = lengths
-    out_src[:, 1] = lengths
-    return out_dst, out_src

@@ -3,8 +3,8 @@
 A finished prefill request's blocks are *leased* to the decode worker that will read them. The lease
 ends exactly once: COMPLETED (the reader's notification or confirmation arrived while it was held),
 RELEASED (explicitly given back), or EXPIRED (its TTL ran out). Each end hands the blocks back through
-`on_free`. Ended leases are remembered for a while as tombstones, so a late confirmation learns whether
-the data it read was still reserved at the time: only COMPLETED means yes.
+`on_free(request_id, block_ids)`. Ended leases are remembered for a while as tombstones, so a late
+confirmation learns whether the data it read was still reserved at the time: only COMPLETED means yes.
 
 A reader may *pin* a held lease before its read finishes (so it need not ask afterwards): until the pin
 ends (the reader completes or releases, or the pin's own deadline passes) the blocks are not handed back,
@@ -44,7 +44,7 @@ class LeaseTable:
         self,
         ttl_s: float,
         clock: Callable[[], float],
-        on_free: Callable[[list[int]], None],
+        on_free: Callable[[str, list[int]], None],
         tombstone_s: float | None = None,
     ) -> None:
         if ttl_s <= 0:
@@ -176,7 +176,7 @@ class LeaseTable:
         """End every lease past its TTL and forget old tombstones; returns the leases that expired."""
         now = self._clock()
         expired: list[Lease] = []
-        unpinned: list[tuple[list[int], Callable[[list[int]], None] | None]] = []
+        unpinned: list[tuple[str, list[int], Callable[[list[int]], None] | None]] = []
         with self._lock:
             for rid, lease in list(self._leases.items()):
                 if lease.pins:
@@ -229,19 +229,20 @@ class LeaseTable:
                 return how
             self._leased_blocks.difference_update(lease.block_ids)
             blocks = list(lease.block_ids)
-        self._free(blocks, scrub)
+        self._free(request_id, blocks, scrub)
         return how
 
-    def _take_deferred(self, lease: Lease) -> tuple[list[int], Callable[[list[int]], None] | None] | None:
-        """(blocks, scrub) to hand back now that `lease` has no pins, if it ended while pinned (lock held)."""
+    def _take_deferred(self, lease: Lease) -> tuple[str, list[int], Callable[[list[int]], None] | None] | None:
+        """(request id, blocks, scrub) to hand back now that `lease` has no pins, if it ended while pinned
+        (lock held)."""
         if lease.pins or not lease.deferred:
             return None
         lease.deferred = False
         scrub, lease.deferred_scrub = lease.deferred_scrub, None
         self._leased_blocks.difference_update(lease.block_ids)
-        return list(lease.block_ids), scrub
+        return lease.request_id, list(lease.block_ids), scrub
 
-    def _free(self, blocks: list[int], scrub: Callable[[list[int]], None] | None = None) -> None:
+    def _free(self, request_id: str, blocks: list[int], scrub: Callable[[list[int]], None] | None = None) -> None:
         if scrub is not None:
             scrub(blocks)
-        self._on_free(blocks)
+        self._on_free(request_id, blocks)

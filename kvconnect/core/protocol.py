@@ -1,8 +1,8 @@
-"""Wire formats: side-channel messages (msgspec msgpack), NIXL notifications, kv_transfer_params.
+"""Wire formats: side-channel messages (msgspec msgpack) and NIXL notifications.
 
 Side-channel messages are one tagged union decoded by one decoder built once. Structs evolve by
 adding fields with defaults at the end; unknown fields are ignored (no `forbid_unknown_fields`), so
-rolling upgrades work. `kv_transfer_params` uses the field names of vLLM's NixlConnector and llm-d.
+rolling upgrades work. (`kv_transfer_params`, the HTTP-side format, lives in `params.py`.)
 
 Authentication (optional shared secret): every request carries a fresh nonce, a timestamp and an
 HMAC-SHA256 over its own encoding; the server answers with an HMAC bound to that nonce, so neither the
@@ -15,12 +15,12 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
-import re
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
-from kvconnect.core.errors import InvalidRequestError, LayoutError, ProtocolError
+from kvconnect.core.errors import LayoutError, ProtocolError
 from kvconnect.core.layout import CacheSpec
 
 PROTOCOL_VERSION = 1
@@ -70,6 +70,9 @@ class LeaseRequest(msgspec.Struct, tag="lease"):
     reader: int = 0  # which of `readers` decode ranks reading this prefill rank confirms (heterogeneous TP)
     readers: int = 1
     pin_ms: int = 0  # PIN: how long at most
+    # PIN / CONFIRM: the blocks the reader read; refused unless the lease holds each of them (a suffix of
+    # the leased ids is fine: a decode-side prefix-cache hit reads fewer). Empty: not checked (old peers).
+    block_ids: list[int] = []
 
 
 # --- side channel: replies -----------------------------------------------------------------------
@@ -98,6 +101,7 @@ class LeaseReply(msgspec.Struct, tag="lease_reply"):
     state: LeaseState
     incarnation_id: str = ""
     mac: bytes = b""
+    reason: str = ""  # why a request was refused (the state is then UNKNOWN, or the lease's own state)
 
 
 class ErrorReply(msgspec.Struct, tag="error"):
@@ -185,63 +189,26 @@ class PullNotif(msgspec.Struct, tag="pulled", array_like=True):
     incarnation_id: str  # the prefill incarnation the reader believes it read from
     reader: int = 0  # see LeaseRequest
     readers: int = 1
+    blocks_digest: bytes = b""  # `blocks_digest` of the remote block ids read (a lease completes only if it
+    num_blocks: int = 0  # holds exactly those, as a suffix of its own; see lease.py)
 
 
 _notif_decoder = msgspec.msgpack.Decoder(PullNotif)
 
 
-def encode_notif(request_id: str, incarnation_id: str, reader: int = 0, readers: int = 1) -> bytes:
-    return _encoder.encode(PullNotif(request_id, incarnation_id, reader, readers))
+def blocks_digest(block_ids: Sequence[int]) -> bytes:
+    """A short digest of block ids (in order): what a notification carries instead of the ids themselves."""
+    h = hashlib.blake2b(digest_size=16)
+    for b in block_ids:
+        h.update(int(b).to_bytes(8, "little", signed=True))
+    return h.digest()
+
+
+def encode_notif(request_id: str, incarnation_id: str, reader: int = 0, readers: int = 1,
+                 block_ids: Sequence[int] = ()) -> bytes:
+    digest = blocks_digest(block_ids) if len(block_ids) else b""
+    return _encoder.encode(PullNotif(request_id, incarnation_id, reader, readers, digest, len(block_ids)))
 
 
 def decode_notif(data: bytes) -> PullNotif:
     return _decode(_notif_decoder, data, "notification")  # type: ignore[no-any-return]
-
-
-# --- kv_transfer_params (JSON inside the OpenAI body) --------------------------------------------
-
-
-class KVTransferParams(msgspec.Struct):
-    """vLLM/llm-d `kv_transfer_params`; unknown fields are ignored."""
-
-    do_remote_decode: bool = False
-    do_remote_prefill: bool = False
-    remote_engine_id: str | None = None
-    remote_block_ids: list[int] | None = None
-    remote_host: str | None = None
-    remote_port: int | None = None
-    remote_request_id: str | None = None
-    tp_size: int = 1  # the prefill's TP size; its rank r listens on remote_port + r (vLLM's convention)
-    # kvconnect additions (ignored by vLLM):
-    remote_incarnation_id: str | None = None
-    remote_num_tokens: int | None = None  # tokens of KV the remote blocks hold (lets block sizes differ)
-
-
-_PULL_FIELDS = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "remote_request_id")
-_PATH = re.compile(r"at `\$\.?([^`]*)`")
-
-
-def parse_kv_transfer_params(obj: object) -> KVTransferParams | None:
-    """Validate the JSON-decoded `kv_transfer_params`; InvalidRequestError names the bad field."""
-    if obj is None:
-        return None
-    if not isinstance(obj, dict):
-        raise InvalidRequestError("kv_transfer_params", f"must be an object, got {type(obj).__name__}")
-    try:
-        params = msgspec.convert(obj, KVTransferParams, strict=True)
-    except msgspec.ValidationError as e:
-        m = _PATH.search(str(e))
-        field = "kv_transfer_params" + (f".{m.group(1)}" if m and m.group(1) else "")
-        raise InvalidRequestError(field, str(e).split(" - at ")[0]) from e
-    if params.do_remote_prefill:
-        for name in _PULL_FIELDS:
-            if getattr(params, name) is None:
-                raise InvalidRequestError(f"kv_transfer_params.{name}", "required when do_remote_prefill is true")
-        port = params.remote_port
-        if port is not None and not 0 < port < 65536:
-            raise InvalidRequestError("kv_transfer_params.remote_port", f"{port} is not a TCP port")
-        if not params.remote_block_ids:
-            raise InvalidRequestError("kv_transfer_params.remote_block_ids", "is empty")
-    if params.tp_size < 1:
-        raise InvalidRequestError("kv_transfer_params.tp_size", f"must be >= 1, got {params.tp_size}")
-    return params

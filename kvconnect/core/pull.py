@@ -14,18 +14,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
 
-from kvconnect.core.agent import NixlAgent, XferHandle, XferState
-from kvconnect.core.descriptors import PullPlan, validate_block_ids
-from kvconnect.core.errors import InvalidRequestError, KVConnectError, PeerGoneError, TransferTimeoutError
+from kvconnect.core.agent import XferState
+from kvconnect.core.errors import KVConnectError, PeerGoneError, TransferTimeoutError
 from kvconnect.core.hetero import Source
-from kvconnect.core.layout import CacheSpec, tp_problem
-from kvconnect.core.protocol import KVTransferParams
+from kvconnect.core.layout import CacheSpec
+from kvconnect.core.params import KVTransferParams, validated_pull
+from kvconnect.core.transports.base import Posted
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +35,15 @@ class PullPhase(str, enum.Enum):
     CONFIRMING = "confirming"  # data here; asking the prefill side whether its lease held
     DONE = "done"
     FAILED = "failed"
+
+
+class PinState(str, enum.Enum):
+    """Where a pull's pin of the prefill lease stands (see lease.py)."""
+
+    NONE = "none"  # not asked for
+    SENT = "sent"  # asked, no answer yet
+    HELD = "held"  # the prefill keeps the blocks until we confirm
+    LOST = "lost"  # refused, or the lease had ended: `Pull.pin_error` says how
 
 
 class PullStats(msgspec.Struct):
@@ -59,6 +67,7 @@ class PullStats(msgspec.Struct):
     path: str = ""  # "block", "direct" or "staging" (hetero.py); "+"-joined over several sources
     num_sources: int = 1  # prefill ranks read (heterogeneous TP)
     scatter_s: float = 0.0  # staging path: staging -> decode cache on the device
+    num_descs_issued: int = 0  # descriptors NIXL reported issuing (0 unless the `telemetry` setting is on)
 
     @property
     def gbps(self) -> float:
@@ -136,20 +145,17 @@ class Pull:
     requested_s: float
     deadline_s: float
     phase: PullPhase = PullPhase.WAIT_PEER
-    plan: PullPlan | None = None
-    xfer: XferHandle | None = None
-    incarnation_id: str = ""
-    event: Any = None  # CUDA event of an IPC gather
+    posted: Posted | None = None  # the transfer in flight (the transport's handle)
     posted_s: float = 0.0
     read_done_s: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
     remote_tp: int = 1
     num_tokens: int | None = None  # tokens the blocks hold, when the prefill said (block-size conversion)
     source: Source | None = None  # the prefill rank and heads this pull reads (set by the decode side)
     group: PullGroup | None = None  # the request this pull is one source of
     staging_ids: list[int] | None = None  # staging blocks the READ lands in (staging path)
     on_settled: Callable[[], None] | None = None  # runs once no READ can write into this pull's blocks
-    pin: str = ""  # "" (not asked), "sent", "held", or how the lease had ended when the PIN arrived
+    pin: PinState = PinState.NONE
+    pin_error: str = ""  # PinState.LOST: the refusal, or the state the lease had ended in
     pin_until_s: float = 0.0  # our (conservative) end of the pin
 
     def run_on_settled(self) -> None:
@@ -167,31 +173,21 @@ class Pull:
     def from_params(cls, params: KVTransferParams, local_block_ids: Sequence[int], request_id: str | None,
                     spec: CacheSpec, timeout_s: float) -> Pull:
         """Validate a pull request (any thread); InvalidRequestError names the field, nothing is posted."""
-        if not params.do_remote_prefill:
-            raise InvalidRequestError("kv_transfer_params.do_remote_prefill", "must be true to pull")
-        for name in ("remote_engine_id", "remote_host", "remote_port", "remote_request_id", "remote_block_ids"):
-            if getattr(params, name) is None:
-                raise InvalidRequestError(f"kv_transfer_params.{name}", "required when do_remote_prefill is true")
-        local = validate_block_ids("local_block_ids", local_block_ids, spec.num_blocks)
-        remote = validate_block_ids("kv_transfer_params.remote_block_ids", params.remote_block_ids or [], 2**62)
-        problem = tp_problem(spec.model_kv_heads, params.tp_size)
-        if problem:
-            raise InvalidRequestError("kv_transfer_params.tp_size", f"prefill {problem}")
-        assert params.remote_engine_id and params.remote_host and params.remote_port and params.remote_request_id
+        target = validated_pull(params, local_block_ids, spec.num_blocks, spec.model_kv_heads)
         now = time.monotonic()
         return cls(
-            handle=PullHandle(request_id or params.remote_request_id, params.remote_engine_id),
-            remote_engine_id=params.remote_engine_id,
-            remote_host=params.remote_host,
-            remote_port=params.remote_port,
-            remote_request_id=params.remote_request_id,
-            remote_block_ids=remote,
-            local_block_ids=local,
-            expected_incarnation=params.remote_incarnation_id,
+            handle=PullHandle(request_id or target.request_id, target.engine_id),
+            remote_engine_id=target.engine_id,
+            remote_host=target.host,
+            remote_port=target.port,
+            remote_request_id=target.request_id,
+            remote_block_ids=target.remote_block_ids,
+            local_block_ids=target.local_block_ids,
+            expected_incarnation=target.incarnation_id,
             requested_s=now,
             deadline_s=now + timeout_s,
-            remote_tp=params.tp_size,
-            num_tokens=params.remote_num_tokens,
+            remote_tp=target.tp_size,
+            num_tokens=target.num_tokens,
         )
 
     def part(self, source: Source, group: PullGroup) -> Pull:
@@ -200,7 +196,7 @@ class Pull:
         self.handle.parts.append(handle)
         return dataclasses.replace(
             self, handle=handle, remote_port=self.remote_port + source.rank, source=source, group=group,
-            expected_incarnation=self.expected_incarnation if source.rank == 0 else None, extra={})
+            expected_incarnation=self.expected_incarnation if source.rank == 0 else None)
 
     def finish(self, error: KVConnectError | None) -> None:
         now = time.monotonic()
@@ -228,7 +224,7 @@ class PullGroup:
         stats = self.parent.handle.stats
         parts = [h.stats for h in self.parent.handle.parts]
         stats.num_sources = len(parts)
-        for name in ("bytes", "num_descs", "num_descs_merged", "post_s", "validate_s", "scatter_s"):
+        for name in ("bytes", "num_descs", "num_descs_merged", "num_descs_issued", "post_s", "validate_s", "scatter_s"):
             setattr(stats, name, sum(getattr(x, name) for x in parts))  # (one after another on the loop)
         for name in ("handshake_s", "transfer_s", "confirm_s", "queued_s"):
             setattr(stats, name, max(getattr(x, name) for x in parts))
@@ -240,20 +236,19 @@ class PullGroup:
 
 
 class AbandonedReads:
-    """READs given up on (deadline, cancellation, peer dropped) that may still write into their blocks.
+    """Transfers given up on (deadline, cancellation, peer dropped) that may still write into their blocks.
 
     NIXL cannot cancel a posted READ: over UCX/TCP a hung peer that resumes still delivers the data,
     after `release_xfer_handle` and even after `remove_remote_agent` (probed; see tests/test_faults.py).
-    So an abandoned READ keeps its handle and is polled until it ends (done, error, or the peer is gone);
-    until then its `PullHandle.settled()` is False and the owner must not reuse the blocks.
+    So an abandoned transfer keeps its handle and is polled until it ends (done, error, or the peer is
+    gone); until then its `PullHandle.settled()` is False and the owner must not reuse the blocks.
     """
 
-    def __init__(self, agent: NixlAgent) -> None:
-        self._agent = agent
+    def __init__(self) -> None:
         self._pulls: list[tuple[Pull, str]] = []
 
     def add(self, pull: Pull, agent_name: str) -> None:
-        if pull.xfer is None:
+        if pull.posted is None:
             return
         pull.handle._settled.clear()
         self._pulls.append((pull, agent_name))
@@ -271,33 +266,36 @@ class AbandonedReads:
     def poll(self) -> None:
         for item in list(self._pulls):
             pull = item[0]
-            assert pull.xfer is not None
+            assert pull.posted is not None
             try:
-                state = self._agent.state(pull.xfer)
+                state = pull.posted.state()
             except PeerGoneError:
                 state = XferState.ERR  # the connection is gone: nothing more can land
             except KVConnectError as e:
-                log.warning("abandoned pull %s: cannot poll its READ (%s); treating it as ended",
+                log.warning("abandoned pull %s: cannot poll its transfer (%s); treating it as ended",
                             pull.handle.request_id, e)
                 state = XferState.ERR
             if state is XferState.PROC:
                 continue
             self._pulls.remove(item)
-            self._agent.release(pull.xfer)
-            pull.xfer = None
             _settle(pull)
-            log.info("abandoned pull %s: its READ ended (%s); %d local blocks are safe again",
+            log.info("abandoned pull %s: its transfer ended (%s); %d local blocks are safe again",
                      pull.handle.request_id, state.value, len(pull.local_block_ids))
 
     def close(self) -> None:
         for pull, _ in self._pulls:
-            if pull.xfer is not None:
-                self._agent.release(pull.xfer)
-                pull.xfer = None
             _settle(pull)
         self._pulls.clear()
 
 
+def release_posted(pull: Pull) -> None:
+    """Free the pull's transfer handle, if it still has one."""
+    if pull.posted is not None:
+        pull.posted.release()
+        pull.posted = None
+
+
 def _settle(pull: Pull) -> None:
+    release_posted(pull)
     pull.handle._settled.set()
     pull.run_on_settled()

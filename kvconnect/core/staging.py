@@ -8,7 +8,9 @@ them (the decode side frees them when a pull settles).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,6 +18,9 @@ import torch
 from kvconnect.core.cache import KVCache
 from kvconnect.core.errors import InvalidRequestError
 from kvconnect.core.layout import CacheSpec, LayoutKind
+
+if TYPE_CHECKING:
+    from kvconnect.core.pull import Pull
 
 
 class StagingPool:
@@ -91,3 +96,32 @@ def scatter(src: KVCache, src_ids: Sequence[int] | np.ndarray, dst: KVCache, dst
         pairs = list(zip(_layer_views(src), _layer_views(dst), strict=True))
     for s_view, d_view in pairs:
         d_view[d_blk, d_slot, :, :, d_lo:d_lo + width] = s_view[s_blk, s_slot, :, :, s_lo:s_lo + width]
+
+
+def reserve(pool: StagingPool, pull: Pull) -> bool:
+    """Staging blocks for the pull's remote blocks (False: none free now, wait); InvalidRequestError if it
+    can never fit. They go back to the pool when the pull settles (no READ can write into them any more)."""
+    ids = pool.alloc(len(pull.remote_block_ids))
+    if ids is None:
+        return False
+    pull.staging_ids = ids
+
+    def free() -> None:
+        if pull.staging_ids is not None:
+            pool.free(pull.staging_ids)
+            pull.staging_ids = None
+
+    pull.on_settled = free
+    return True
+
+
+def place(pool: StagingPool, cache: KVCache, pull: Pull) -> float:
+    """Move a staged pull's tokens and heads into `cache` (synchronised), then free its staging blocks;
+    returns the seconds it took."""
+    assert pull.staging_ids is not None and pull.num_tokens is not None and pull.source is not None
+    t0 = time.monotonic()
+    scatter(pool.cache, pull.staging_ids, cache, pull.local_block_ids, pull.num_tokens, pull.source.heads)
+    if cache.spec.device == "cuda":
+        torch.cuda.current_stream(cache.regions[0].device).synchronize()
+    pull.run_on_settled()
+    return time.monotonic() - t0

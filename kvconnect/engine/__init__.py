@@ -9,7 +9,7 @@ sampling, hooks, sequence, scheduler, engine.
 from kvconnect.engine.allocator import BlockAllocationError, BlockAllocator, OutOfBlocksError
 from kvconnect.engine.config import EngineConfig, ModelConfig
 from kvconnect.engine.engine import Engine, EngineStateError
-from kvconnect.engine.hooks import KVKeeper, KVLoader, KVLoadHandle, LoadFailurePolicy
+from kvconnect.engine.hooks import KVKeeper, KVLoader, KVLoadHandle
 from kvconnect.engine.sampling import SamplingParams
 from kvconnect.engine.sequence import FinishReason, TokenEvent
 from kvconnect.engine.tokenizer import BOS_ID, EOS_ID, ByteTokenizer, ChatMessage, IncrementalDecoder
@@ -29,7 +29,6 @@ __all__ = [
     "KVKeeper",
     "KVLoadHandle",
     "KVLoader",
-    "LoadFailurePolicy",
     "ModelConfig",
     "OutOfBlocksError",
     "SamplingParams",

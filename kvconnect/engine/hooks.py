@@ -8,7 +8,7 @@ means the engine frees them as usual. Requests that end in "abort" or "error" ar
 `KVLoader` (decode side, do_remote_prefill): when the request is admitted the engine allocates blocks
 for the whole prompt and calls `start(...)`; every scheduler step it calls `poll()` on the handle:
 None (or False) while loading, True once the KV of prompt tokens [0, n-1) is in those blocks, or an
-exception (a kvconnect error) on failure. On failure, `policy == "recompute"` makes the engine compute
+exception (a kvconnect error) on failure. On failure, `FailurePolicy.RECOMPUTE` makes the engine compute
 the prompt itself; any other policy finishes the request with "error". An aborted request's blocks are
 only freed once its handle has stopped writing (poll returned or raised).
 
@@ -17,13 +17,9 @@ Both hooks run on the engine thread, between steps: they must return quickly and
 
 from __future__ import annotations
 
-import enum
 from typing import Protocol
 
-
-class LoadFailurePolicy(str, enum.Enum):
-    RECOMPUTE = "recompute"
-    FAIL = "fail"
+from kvconnect.core.config import FailurePolicy
 
 
 class KVLoadHandle(Protocol):
@@ -33,8 +29,8 @@ class KVLoadHandle(Protocol):
 
 class KVLoader(Protocol):
     @property
-    def policy(self) -> str:
-        """"recompute" or "fail" (LoadFailurePolicy values)."""
+    def policy(self) -> FailurePolicy:
+        """What the engine does when the load fails."""
 
     def start(self, request_id: str, block_ids: list[int], num_prompt_tokens: int) -> KVLoadHandle:
         """Begin filling `block_ids` (they cover all `num_prompt_tokens`) with the KV of tokens [0, n-1)."""

@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from kvconnect.core.config import FailurePolicy
 from kvconnect.core.errors import KVConnectError
 from kvconnect.engine.allocator import BlockAllocator, OutOfBlocksError
-from kvconnect.engine.hooks import LoadFailurePolicy
 from kvconnect.engine.sequence import FinishReason, SeqStatus, Sequence
 
 logger = logging.getLogger(__name__)
@@ -176,8 +176,8 @@ class Scheduler:
         message = f"KV load failed: {type(exc).__name__}: {exc}"
         if not isinstance(exc, KVConnectError):
             logger.error("%s: KV loader raised a foreign exception", seq.request_id, exc_info=exc)
-        policy = getattr(seq.kv_loader, "policy", LoadFailurePolicy.FAIL)
-        if policy == LoadFailurePolicy.RECOMPUTE:
+        policy = getattr(seq.kv_loader, "policy", FailurePolicy.FAIL)
+        if policy == FailurePolicy.RECOMPUTE:
             logger.warning("%s: %s; computing the prompt locally", seq.request_id, message)
             self._to_compute(seq)
             return None

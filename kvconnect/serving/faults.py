@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from starlette.requests import Request
@@ -27,9 +27,7 @@ from starlette.routing import Route
 
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import env_setting
-
-if TYPE_CHECKING:
-    from kvconnect.serving.server import Worker
+from kvconnect.core.connector import KVConnector
 
 
 def enabled() -> bool:
@@ -58,13 +56,13 @@ async def _body(request: Request) -> dict[str, Any]:
     return obj
 
 
-def routes(worker: Worker) -> list[Route]:
-    leases = worker.connector.leases
+def routes(connector: KVConnector, cache: KVCache) -> list[Route]:
+    """The admin routes over `connector`'s leases; `cache` is where poisoned blocks live."""
 
     async def list_leases(request: Request) -> Response:
         now = time.monotonic()
         return JSONResponse({"held": [{"request_id": x.request_id, "block_ids": list(x.block_ids),
-                                       "age_s": round(now - x.granted_s, 3)} for x in leases.held()]})
+                                       "age_s": round(now - x.granted_s, 3)} for x in connector.held_leases()]})
 
     async def expire(request: Request) -> Response:
         try:
@@ -72,14 +70,14 @@ def routes(worker: Worker) -> list[Route]:
         except ValueError as e:
             return JSONResponse({"error": str(e)}, status_code=400)
         wanted = body.get("request_ids")
-        ids = [x.request_id for x in leases.held()] if wanted is None else [str(r) for r in wanted]
+        ids = [x.request_id for x in connector.held_leases()] if wanted is None else [str(r) for r in wanted]
         poison = bool(body.get("poison", False))
         out = {}
         for rid in ids:
             def scrub(blocks: list[int], seed: int = zlib.crc32(rid.encode())) -> None:
-                poison_blocks(worker.engine.cache, blocks, seed)
+                poison_blocks(cache, blocks, seed)
 
-            out[rid] = leases.force_expire(rid, scrub if poison else None).value
+            out[rid] = connector.expire_lease(rid, scrub if poison else None).value
         return JSONResponse({"expired": out})
 
     async def expire_on_read(request: Request) -> Response:
@@ -87,7 +85,7 @@ def routes(worker: Worker) -> list[Route]:
             count = int((await _body(request)).get("count", 1))
         except (ValueError, TypeError) as e:
             return JSONResponse({"error": str(e)}, status_code=400)
-        leases.expire_next_reads(count)
+        connector.expire_next_reads(count)
         return JSONResponse({"armed": count})
 
     return [

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kvconnect.core.errors import KVConnectError
 from kvconnect.core.pull import PullStats
+from kvconnect.core.snapshot import ConnectorSnapshot
 
 if TYPE_CHECKING:
     from kvconnect.bench.verdict import TransportVerdict
@@ -23,30 +24,38 @@ _TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 _BYTE_BUCKETS = tuple(float(2**k) for k in range(12, 36, 2))
 _DESC_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
 
-# values read from the connector at scrape time: name -> (kind, help)
+# values read from the connector's snapshot at scrape time: name -> (kind, help, snapshot field)
 SNAPSHOT = {
-    "kvconnect_pulls_ok": ("counter", "pulls completed with the lease confirmed"),
-    "kvconnect_handshakes": ("counter", "successful handshakes with prefill peers"),
-    "kvconnect_handshake_failures": ("counter", "failed or timed-out handshakes"),
-    "kvconnect_notifs": ("counter", "read notifications received (prefill side)"),
-    "kvconnect_stale_notifs": ("counter", "notifications naming another incarnation, ignored"),
-    "kvconnect_side_channel_refused": ("counter", "side-channel messages refused: malformed, version, auth"),
-    "kvconnect_abandoned_reads": ("gauge", "given-up READs that may still write into their blocks"),
-    "kvconnect_quarantined_blocks": ("gauge", "blocks held until an abandoned READ into them ends"),
+    "kvconnect_pulls_ok": ("counter", "pulls completed with the lease confirmed", "pulls_ok"),
+    "kvconnect_handshakes": ("counter", "successful handshakes with prefill peers", "handshakes"),
+    "kvconnect_handshake_failures": ("counter", "failed or timed-out handshakes", "handshake_failures"),
+    "kvconnect_notifs": ("counter", "read notifications received (prefill side)", "notifs"),
+    "kvconnect_stale_notifs": ("counter", "notifications naming another incarnation, ignored", "stale_notifs"),
+    "kvconnect_side_channel_refused": ("counter", "side-channel messages refused: malformed, version, auth",
+                                       "side_channel_refused"),
+    "kvconnect_abandoned_reads": ("gauge", "given-up READs that may still write into their blocks", "abandoned_reads"),
+    "kvconnect_quarantined_blocks": ("gauge", "blocks held until an abandoned READ into them ends",
+                                     "quarantined_blocks"),
+    "kvconnect_leases_held": ("gauge", "prefill leases waiting for a reader", "leases_held"),
+    "kvconnect_lease_blocks_held": ("gauge", "blocks held by leases", "lease_blocks_held"),
 }
 
 
 class _Snapshot:
-    """A collector that reads plain numbers from the owner at scrape time (no double bookkeeping)."""
+    """A collector that reads the connector's snapshot at scrape time (no double bookkeeping)."""
 
-    def __init__(self, read: Callable[[], dict[str, float]]) -> None:
+    def __init__(self, read: Callable[[], ConnectorSnapshot]) -> None:
         self._read = read
 
     def collect(self) -> Iterator[Metric]:
-        values = self._read()
-        for name, (kind, text) in SNAPSHOT.items():
+        snap = self._read()
+        for name, (kind, text, attr) in SNAPSHOT.items():
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-            yield family(name, text, value=float(values.get(name, 0)))
+            yield family(name, text, value=float(getattr(snap, attr)))
+        ended = GaugeMetricFamily("kvconnect_leases_ended", "leases by state (held: still held)", labels=["outcome"])
+        for state, count in sorted(snap.leases_ended.items()):
+            ended.add_metric([state], float(count))
+        yield ended
 
 
 class WorkerMetrics:
@@ -74,15 +83,12 @@ class WorkerMetrics:
                                   registry=r)
         self.quarantined = Counter("kvconnect_quarantined_pulls", "failed pulls whose blocks were held until "
                                    "their abandoned READ ended", registry=r)
-        self.leases_held = Gauge("kvconnect_leases_held", "prefill leases waiting for a reader", registry=r)
-        self.lease_blocks = Gauge("kvconnect_lease_blocks_held", "blocks held by leases", registry=r)
-        self.lease_outcomes = Gauge("kvconnect_leases_ended", "ended leases by outcome", ["outcome"], registry=r)
         self.free_blocks = Gauge("kvconnect_free_blocks", "free KV blocks", registry=r)
         self.running = Gauge("kvconnect_num_requests_running", "admitted requests", registry=r)
         self.waiting = Gauge("kvconnect_num_requests_waiting", "requests queued for blocks", registry=r)
 
-    def bind(self, read: Callable[[], dict[str, float]]) -> None:
-        """Expose the `SNAPSHOT` values that `read()` returns at each scrape."""
+    def bind(self, read: Callable[[], ConnectorSnapshot]) -> None:
+        """Expose the connector snapshot that `read()` returns at each scrape."""
         self.registry.register(_Snapshot(read))
 
     def on_verdict(self, verdict: TransportVerdict) -> None:

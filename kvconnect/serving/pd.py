@@ -16,9 +16,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from kvconnect.core.config import FailurePolicy
 from kvconnect.core.connector import KVConnector
-from kvconnect.core.errors import AuthError, InvalidRequestError, KVConnectError, LeaseLostError
-from kvconnect.core.protocol import KVTransferParams
+from kvconnect.core.errors import InvalidRequestError, KVConnectError
+from kvconnect.core.lease_client import release_after_failure
+from kvconnect.core.params import KVTransferParams
 from kvconnect.core.pull import PullHandle
 
 log = logging.getLogger(__name__)
@@ -89,7 +91,7 @@ FailureCallback = Callable[[str, KVConnectError, bool], None]
 class PullLoader:
     """KVLoader: pull the remote prompt blocks into the blocks the engine allocated."""
 
-    def __init__(self, connector: KVConnector, params: KVTransferParams, policy: str, block_size: int,
+    def __init__(self, connector: KVConnector, params: KVTransferParams, policy: FailurePolicy, block_size: int,
                  on_failed: FailureCallback | None = None) -> None:
         self._connector = connector
         self._params = params
@@ -102,9 +104,9 @@ class PullLoader:
         self.quarantined = False  # failed, but an abandoned READ may still land in its blocks
 
     @property
-    def policy(self) -> str:
+    def policy(self) -> FailurePolicy:
         """The configured policy, except that an invalid request is refused, never recomputed."""
-        return "fail" if isinstance(self.error, InvalidRequestError) else self._policy
+        return FailurePolicy.FAIL if isinstance(self.error, InvalidRequestError) else self._policy
 
     def start(self, request_id: str, block_ids: list[int], num_prompt_tokens: int) -> PullLoader:
         self._request_id = request_id
@@ -136,8 +138,7 @@ class PullLoader:
         if isinstance(error, InvalidRequestError) and field in _REQUEST_FIELDS:
             error = InvalidRequestError(_REQUEST_FIELDS[field], error.reason)
         self.error = error
-        unknown_engine = isinstance(error, InvalidRequestError) and error.field.endswith("remote_engine_id")
-        if not isinstance(error, (LeaseLostError, AuthError)) and not unknown_engine:
+        if release_after_failure(error):
             try:  # nobody will read this lease now: let the prefill side free it at once
                 self._connector.release_remote(self._params)
             except KVConnectError as e:

@@ -35,6 +35,7 @@ from kvconnect.core import protocol as p
 from kvconnect.core.config import env_setting
 from kvconnect.core.errors import KVConnectError
 from kvconnect.core.handshake import request as side_request
+from kvconnect.core.params import parse_kv_transfer_params
 from kvconnect.serving.openai_api import error_body
 
 log = logging.getLogger(__name__)
@@ -176,7 +177,7 @@ class Proxy:
     async def _release(self, request_id: str, params: dict[str, Any] | None, reason: str) -> None:
         """Free a lease nobody will read (best effort, off the event loop)."""
         try:
-            kv = p.parse_kv_transfer_params(params)
+            kv = parse_kv_transfer_params(params)
             if kv is None or not (kv.remote_host and kv.remote_port and kv.remote_request_id):
                 return
             msg = p.LeaseRequest(p.PROTOCOL_VERSION, "proxy", kv.remote_request_id, p.LeaseAction.RELEASE)

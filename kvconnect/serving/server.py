@@ -27,19 +27,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvconnect.bench.verdict import TransportVerdict, startup_verdict
-from kvconnect.core.config import ConnectorConfig, connector_config, env_setting
+from kvconnect.core.config import ConnectorConfig, FailurePolicy, connector_config, env_setting
 from kvconnect.core.connector import KVConnector
-from kvconnect.core.errors import (
-    ConfigError,
-    InvalidRequestError,
-    KVConnectError,
-    LayoutMismatchError,
-    LeaseLostError,
-    LocalError,
-    RemoteError,
-)
+from kvconnect.core.errors import ConfigError, InvalidRequestError, KVConnectError, LocalError
 from kvconnect.core.layout import LayoutKind
-from kvconnect.core.protocol import parse_kv_transfer_params
+from kvconnect.core.params import parse_kv_transfer_params
+from kvconnect.core.snapshot import ConnectorSnapshot
 from kvconnect.engine.config import EngineConfig
 from kvconnect.engine.engine import Engine
 from kvconnect.engine.sampling import SamplingParams
@@ -74,15 +67,8 @@ class Worker:
         self.block_size = engine_config.block_size
         self.engine.start()
 
-    def _snapshot(self) -> dict[str, float]:
-        c, abandoned = self.connector.counters, self.connector.decode.abandoned
-        server = getattr(self.connector, "_server", None)  # the side channel's refusal count
-        return {"kvconnect_pulls_ok": c.pulls_ok, "kvconnect_handshakes": c.handshakes,
-                "kvconnect_handshake_failures": c.handshake_failures, "kvconnect_notifs": c.notifs,
-                "kvconnect_stale_notifs": c.stale_notifs,
-                "kvconnect_side_channel_refused": getattr(server, "num_refused", 0),
-                "kvconnect_abandoned_reads": len(abandoned),
-                "kvconnect_quarantined_blocks": abandoned.num_blocks}
+    def _snapshot(self) -> ConnectorSnapshot:
+        return self.connector.snapshot()
 
     def _on_pull_failed(self, request_id: str, error: KVConnectError, quarantined: bool) -> None:
         """A pull failed (engine thread). The connector already logged it with the request id and peer."""
@@ -90,7 +76,7 @@ class Worker:
             self.metrics.quarantined.inc()
             log.info("request %s: its abandoned READ may still land; blocks held until it ends", request_id)
             self.engine.abort(request_id)
-        elif self.connector.config.failure_policy == "recompute":
+        elif self.connector.config.failure_policy is FailurePolicy.RECOMPUTE:
             if not isinstance(error, InvalidRequestError):  # (PullLoader.policy: a bad request is refused)
                 self.metrics.recomputed.inc()  # the engine computes the prompt in the same blocks
 
@@ -141,7 +127,7 @@ class Worker:
         engine_rid = request_id
         first = await events.get()
         if first.finished and loader is not None and loader.quarantined:
-            if loader.policy != "recompute":
+            if loader.policy is not FailurePolicy.RECOMPUTE:
                 return self._failed(first, loader)
             engine_rid = f"{request_id}:recompute"  # fresh blocks: the old ones wait for their READ to end
             try:
@@ -231,7 +217,7 @@ class Worker:
         error = loader.error if loader is not None else None
         if isinstance(error, InvalidRequestError):
             return self._error(400, error)
-        if isinstance(error, (LayoutMismatchError, LeaseLostError, RemoteError)) or error is not None:
+        if error is not None:
             return self._error(502, error, prefix="KV transfer from the prefill worker failed: ")
         return JSONResponse(api.error_body(500, ev.error or "generation failed"), status_code=500)
 
@@ -244,15 +230,16 @@ class Worker:
     # --- small endpoints ---------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok", "role": self.role, "engine_id": self.connector.engine_id,
-                             "incarnation_id": self.connector.incarnation_id,
+        snap = self.connector.snapshot()
+        return JSONResponse({"status": "ok", "role": self.role, "engine_id": snap.engine_id,
+                             "incarnation_id": snap.incarnation_id,
                              "free_blocks": self.engine.allocator.num_free,
                              "total_blocks": self.engine.allocator.num_total,
-                             "leased_blocks": self.connector.leases.num_blocks_held,
+                             "leased_blocks": snap.lease_blocks_held,
                              "allocated_blocks": self.engine.allocator.num_allocated,
-                             "quarantined_blocks": self.connector.decode.abandoned.num_blocks,
+                             "quarantined_blocks": snap.quarantined_blocks,
                              "loading": self.engine.num_loading, "running": self.engine.num_running,
-                             "side_channel_port": self.connector.side_channel_port,
+                             "side_channel_port": snap.side_channel_port,
                              "transport_verdict": msgspec.to_builtins(self.verdict)})
 
     async def models(self, request: Request) -> Response:
@@ -260,11 +247,7 @@ class Worker:
                                                          "owned_by": "kvconnect"}]})
 
     async def metrics_endpoint(self, request: Request) -> Response:
-        m, leases = self.metrics, self.connector.leases
-        m.leases_held.set(leases.num_held)
-        m.lease_blocks.set(leases.num_blocks_held)
-        for state, count in leases.counts.items():
-            m.lease_outcomes.labels(state.value).set(count)
+        m = self.metrics
         m.free_blocks.set(self.engine.allocator.num_free)
         m.running.set(self.engine.num_running)
         m.waiting.set(self.engine.num_waiting)
@@ -286,7 +269,7 @@ class Worker:
         ]
         if faults.enabled():
             log.warning("fault-injection admin endpoints are enabled (KVCONNECT_FAULT_INJECTION)")
-            routes += faults.routes(self)
+            routes += faults.routes(self.connector, self.engine.cache)
         return Starlette(routes=routes)
 
 
@@ -303,7 +286,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=env_setting("DEVICE", "cpu"))
     p.add_argument("--engine-id", default=None)
     p.add_argument("--lease-ttl-s", type=float, default=None)
-    p.add_argument("--failure-policy", choices=["fail", "recompute"], default=None)
+    p.add_argument("--failure-policy", choices=[x.value for x in FailurePolicy], default=None)
     p.add_argument("--pull-timeout-s", type=float, default=None, help="deadline of one pull (READ + confirm)")
     p.add_argument("--handshake-timeout-s", type=float, default=None)
     p.add_argument("--verdict", action=argparse.BooleanOptionalAction, default=None,

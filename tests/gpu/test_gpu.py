@@ -13,7 +13,7 @@ from kvconnect.core.cache import KVCache
 from kvconnect.core.config import connector_config
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.layout import CacheSpec, LayoutKind
-from tests.peers import PrefillProc
+from kvconnect.testing.prefill import PrefillProcess
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,7 +52,7 @@ def decoder(kind: LayoutKind, device: str, **config) -> KVConnector:
 def test_vram_pulls_every_layout_pair(transport: str, prefill_dev: str, decode_dev: str) -> None:
     rng = np.random.default_rng(3)
     for remote_kind in LayoutKind:
-        pre = PrefillProc.start(spec(remote_kind), seed=5, device=prefill_dev, transport=transport)
+        pre = PrefillProcess.start(spec(remote_kind), seed=5, device=prefill_dev, transport=transport)
         try:
             for local_kind in LayoutKind:
                 with decoder(local_kind, decode_dev, transport=transport) as dec:
@@ -74,7 +74,7 @@ def test_vram_pulls_every_layout_pair(transport: str, prefill_dev: str, decode_d
 @pytest.mark.parametrize("transport", ["nixl", "ipc"])
 def test_attention_over_pulled_cache_matches_prefill_kv(transport: str) -> None:
     prefill_dev, decode_dev = pairs_of_devices()[-1]
-    pre = PrefillProc.start(spec(LayoutKind.CROSS_LAYER), device=prefill_dev, transport=transport)
+    pre = PrefillProcess.start(spec(LayoutKind.CROSS_LAYER), device=prefill_dev, transport=transport)
     try:
         pre.ask("randn", 7)
         seq_len, remote_ids = 120, [9, 3, 30, 31, 12, 50, 2, 44]  # 8 blocks of 16 tokens

@@ -1,0 +1,111 @@
+"""Fail closed: a pull's data counts only if the prefill's lease held until its transfer ended.
+
+Decode side, loop thread. Two ways to know, per pull:
+
+- **pin** (`pin_reads`, the default): as the transfer is posted, ask the prefill to keep the blocks for
+  this reader until it confirms (or until the pull's deadline). A HELD answer means no lease end can
+  free the blocks under the read, so a transfer that ends under a held pin succeeds at once; the
+  CONFIRM that follows only ends the pin (its answer is not awaited);
+- **confirm**: after the transfer, ask whether the lease was still held (or completed by our own
+  notification) when the read ended; only COMPLETED makes the pull usable.
+
+A pin that was refused (the lease had ended, or named blocks it does not hold) fails the pull. Without
+`confirm_reads`, a transport whose transfer notifies the prefill by itself (NIXL) is trusted unasked;
+that is not fail-closed, and the worker warns at start when it is configured.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kvconnect.core import lease_client
+from kvconnect.core import protocol as p
+from kvconnect.core.config import ConnectorConfig
+from kvconnect.core.errors import HandshakeError, KVConnectError, LeaseLostError, PeerGoneError
+from kvconnect.core.peers import Peer
+from kvconnect.core.pull import PinState, Pull, PullPhase
+
+
+def lease_problem(reply: p.LeaseReply) -> str:
+    """How a lease reply says the data cannot be trusted: its state, and the refusal's reason if any."""
+    return f"{reply.state.value} ({reply.reason})" if reply.reason else reply.state.value
+
+
+class LeaseConfirmation:
+    def __init__(self, config: ConnectorConfig, engine_id: str, succeed: Callable[[Pull], None],
+                 fail: Callable[[Pull, KVConnectError], None]) -> None:
+        self._config = config
+        self._engine_id = engine_id
+        self._succeed = succeed
+        self._fail = fail
+
+    def needed(self, peer: Peer) -> bool:
+        """Whether the prefill side is asked about the lease: always, unless `confirm_reads` is off and the
+        transport itself tells the prefill that the read ended."""
+        assert peer.transport is not None
+        return self._config.confirm_reads or not peer.transport.notifies
+
+    def posted(self, peer: Peer, pull: Pull) -> None:
+        """The transfer was just posted: pin the lease for it if configured."""
+        if not (self.needed(peer) and self._config.pin_reads):
+            return
+        src = pull.source
+        assert src is not None
+        now = time.monotonic()
+        pin_s = max(pull.deadline_s - now, 0.001)
+        pull.pin_until_s = now + pin_s  # the prefill pins from when it gets this, so at least until then
+        pull.pin = PinState.SENT
+        peer.confirming[pull.remote_request_id] = pull
+        peer.channel.send(lease_client.pin(self._engine_id, pull.remote_request_id, src, pull.remote_block_ids,
+                                           pin_s))
+
+    def read_done(self, peer: Peer | None, pull: Pull) -> None:
+        """The transfer ended well (and staged data was placed): decide now, or once the pin is answered."""
+        if peer is not None and not self.needed(peer):
+            self._succeed(pull)  # (the transfer's own notification ends the lease)
+            return
+        pull.phase = PullPhase.CONFIRMING
+        if pull.pin is not PinState.SENT:
+            self._decide(peer, pull)
+
+    def answer(self, peer: Peer, pull: Pull, reply: p.LeaseReply | HandshakeError) -> None:
+        """The prefill's answer to this pull's PIN or CONFIRM."""
+        if pull.pin is PinState.SENT:
+            if isinstance(reply, HandshakeError):
+                pull.pin, pull.pin_error = PinState.LOST, f"unpinned ({reply})"
+            elif reply.state in (p.LeaseState.HELD, p.LeaseState.COMPLETED):
+                pull.pin = PinState.HELD  # (COMPLETED: our READ's notification already ended the lease)
+            else:
+                pull.pin, pull.pin_error = PinState.LOST, lease_problem(reply)
+            if pull.phase is PullPhase.CONFIRMING:  # the transfer is already done
+                self._decide(peer, pull)
+            return
+        if isinstance(reply, HandshakeError):
+            self._fail(pull, reply)
+        elif reply.state is p.LeaseState.COMPLETED:
+            pull.handle.stats.confirm_s = time.monotonic() - pull.read_done_s
+            self._succeed(pull)
+        else:
+            self._fail(pull, LeaseLostError(f"pull {pull.handle.request_id}: prefill lease was "
+                                            f"{lease_problem(reply)} when the read finished; data discarded"))
+
+    def _decide(self, peer: Peer | None, pull: Pull) -> None:
+        """Transfer done, pin answered (or none asked): succeed under a live pin, else confirm and wait."""
+        if peer is None:
+            self._fail(pull, PeerGoneError(f"engine {pull.remote_engine_id} dropped before confirmation"))
+            return
+        if pull.pin is PinState.LOST:
+            self._fail(pull, LeaseLostError(f"pull {pull.handle.request_id}: prefill lease was {pull.pin_error} "
+                                            "before the read was pinned; data discarded"))
+            return
+        src = pull.source
+        assert src is not None
+        confirm = lease_client.confirm(self._engine_id, pull.remote_request_id, src, pull.remote_block_ids)
+        if pull.pin is PinState.HELD and time.monotonic() < pull.pin_until_s:
+            peer.channel.send(confirm)  # ends our pin and, for the last reader, the lease; answer not needed
+            pull.handle.stats.confirm_s = time.monotonic() - pull.read_done_s
+            self._succeed(pull)
+            return
+        peer.confirming[pull.remote_request_id] = pull
+        peer.channel.send(confirm)

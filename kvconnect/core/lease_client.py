@@ -1,0 +1,85 @@
+"""Requests to a prefill worker's lease table, built in one place for every client.
+
+The decode loop sends them over its long-lived peer channels (non-blocking); the proxy and tools send
+them with `release_everywhere` (blocking, one short-lived socket per rank). Rules every client follows:
+
+- every request names the blocks it is about (`block_ids`): the prefill refuses one that names a block
+  its lease does not hold, and leaves the lease intact;
+- a reader (a decode rank that pinned or will confirm) speaks as itself; anyone else releases as a
+  non-reader (reader -1), which never drops a reader's pin: a pinned READ in flight keeps its blocks and
+  its confirmation decides, so a release cannot turn a lost lease into a silent success;
+- a release goes to every rank of the prefill's TP group (rank r listens on remote_port + r), since each
+  rank leased the same block ids under the request id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import zmq
+
+from kvconnect.core import protocol as p
+from kvconnect.core.errors import AuthError, InvalidRequestError, KVConnectError, LeaseLostError
+from kvconnect.core.handshake import request
+from kvconnect.core.hetero import Source
+from kvconnect.core.params import KVTransferParams
+
+NON_READER = -1
+
+
+def _ids(block_ids: Sequence[int] | np.ndarray) -> list[int]:
+    return [int(b) for b in block_ids]
+
+
+def pin(engine_id: str, request_id: str, source: Source, block_ids: Sequence[int] | np.ndarray,
+        pin_s: float) -> p.LeaseRequest:
+    """Keep the blocks for this reader until it confirms, or for `pin_s` at most."""
+    return p.LeaseRequest(p.PROTOCOL_VERSION, engine_id, request_id, p.LeaseAction.PIN, reader=source.reader,
+                          readers=source.readers, pin_ms=int(pin_s * 1000), block_ids=_ids(block_ids))
+
+
+def confirm(engine_id: str, request_id: str, source: Source, block_ids: Sequence[int] | np.ndarray) -> p.LeaseRequest:
+    """This reader's read is done: was the lease (or its pin) held until then?"""
+    return p.LeaseRequest(p.PROTOCOL_VERSION, engine_id, request_id, p.LeaseAction.CONFIRM, reader=source.reader,
+                          readers=source.readers, block_ids=_ids(block_ids))
+
+
+def release(engine_id: str, request_id: str, block_ids: Sequence[int] | np.ndarray,
+            reader: int = NON_READER) -> p.LeaseRequest:
+    """Give the blocks back now; a reader releasing as itself also drops its own pin."""
+    return p.LeaseRequest(p.PROTOCOL_VERSION, engine_id, request_id, p.LeaseAction.RELEASE, reader=reader,
+                          block_ids=_ids(block_ids))
+
+
+def release_after_failure(error: KVConnectError) -> bool:
+    """Whether a pull that failed with `error` should release its lease now (rather than leave it to its TTL):
+    not when the lease is already gone (LeaseLostError), the peer refused us (AuthError: it would refuse the
+    release too), or the params name an engine other than the one at that address."""
+    if isinstance(error, (LeaseLostError, AuthError)):
+        return False
+    return not (isinstance(error, InvalidRequestError) and error.field.endswith("remote_engine_id"))
+
+
+def release_targets(params: KVTransferParams) -> list[tuple[int, str, int]]:
+    """(rank, host, port) of every rank of the TP group that leased `params` (empty if it names none)."""
+    if not (params.remote_host and params.remote_port and params.remote_request_id and params.remote_block_ids):
+        return []
+    return [(rank, params.remote_host, params.remote_port + rank) for rank in range(max(params.tp_size, 1))]
+
+
+def release_everywhere(ctx: zmq.Context, params: KVTransferParams, engine_id: str, secret: bytes,
+                       timeout_s: float) -> dict[int, str]:
+    """Release `params`' lease on every rank as a non-reader (blocking); returns each rank's answer: the
+    lease state it ended in, or the error (a rank that is gone cannot hold anything)."""
+    out: dict[int, str] = {}
+    assert params.remote_request_id is not None or not release_targets(params)
+    for rank, host, port in release_targets(params):
+        msg = release(engine_id, params.remote_request_id or "", params.remote_block_ids or [])
+        try:
+            reply = request(ctx, host, port, msg, timeout_s, secret)
+        except KVConnectError as e:
+            out[rank] = f"error: {e}"
+            continue
+        out[rank] = reply.state.value if isinstance(reply, p.LeaseReply) else "?"
+    return out

@@ -1,0 +1,134 @@
+"""`kv_transfer_params`, the one place they are validated (pure, no I/O).
+
+The struct carries the field names of vLLM's NixlConnector and llm-d, so either side's proxy can hand
+them over; unknown fields are ignored. Two checks, one module:
+
+- `parse_kv_transfer_params`: the HTTP edge, JSON already decoded. Types are strict, and a field that is
+  missing or malformed is named in the `InvalidRequestError` (a 400 naming it).
+- `validated_pull`: everything a decode worker must know before it dials a peer or posts a READ: required
+  fields, ports, block ids (integers, unique, in range locally, non-negative remotely), the prefill TP
+  size, the token count. It returns a `PullTarget` of checked values.
+
+Whether the remote blocks are the ones the prefill leased to this request is checked where the lease is
+(lease.py), since only the prefill side knows.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from kvconnect.core.errors import InvalidRequestError
+from kvconnect.core.layout import tp_problem
+
+FIELD = "kv_transfer_params"
+PULL_FIELDS = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "remote_request_id")
+MAX_REMOTE_BLOCK_ID = 2**62  # remote ids are bounded by the remote spec at planning; this only keeps int64 sane
+
+
+class KVTransferParams(msgspec.Struct):
+    """vLLM/llm-d `kv_transfer_params`; unknown fields are ignored."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_block_ids: list[int] | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_request_id: str | None = None
+    tp_size: int = 1  # the prefill's TP size; its rank r listens on remote_port + r (vLLM's convention)
+    # kvconnect additions (ignored by vLLM):
+    remote_incarnation_id: str | None = None
+    remote_num_tokens: int | None = None  # tokens of KV the remote blocks hold (lets block sizes differ)
+
+
+@dataclass(frozen=True)
+class PullTarget:
+    """A pull's checked remote side."""
+
+    engine_id: str
+    host: str
+    port: int
+    request_id: str
+    remote_block_ids: np.ndarray  # int64, in token order
+    local_block_ids: np.ndarray  # int64
+    tp_size: int
+    incarnation_id: str | None
+    num_tokens: int | None
+
+
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
+
+
+def parse_kv_transfer_params(obj: object) -> KVTransferParams | None:
+    """Validate the JSON-decoded `kv_transfer_params`; InvalidRequestError names the bad field."""
+    if obj is None:
+        return None
+    if not isinstance(obj, dict):
+        raise InvalidRequestError(FIELD, f"must be an object, got {type(obj).__name__}")
+    try:
+        params = msgspec.convert(obj, KVTransferParams, strict=True)
+    except msgspec.ValidationError as e:
+        m = _PATH.search(str(e))
+        field = FIELD + (f".{m.group(1)}" if m and m.group(1) else "")
+        raise InvalidRequestError(field, str(e).split(" - at ")[0]) from e
+    if params.do_remote_prefill:
+        _check_pull_fields(params)
+    if params.tp_size < 1:
+        raise InvalidRequestError(f"{FIELD}.tp_size", f"must be >= 1, got {params.tp_size}")
+    return params
+
+
+def _check_pull_fields(params: KVTransferParams) -> None:
+    for name in PULL_FIELDS:
+        if getattr(params, name) in (None, ""):
+            raise InvalidRequestError(f"{FIELD}.{name}", "required when do_remote_prefill is true")
+    port = params.remote_port
+    if port is not None and not 0 < port < 65536:
+        raise InvalidRequestError(f"{FIELD}.remote_port", f"{port} is not a TCP port")
+    if not params.remote_block_ids:
+        raise InvalidRequestError(f"{FIELD}.remote_block_ids", "is empty")
+    if params.remote_num_tokens is not None and params.remote_num_tokens < 1:
+        raise InvalidRequestError(f"{FIELD}.remote_num_tokens", f"must be positive, got {params.remote_num_tokens}")
+
+
+def validate_block_ids(field: str, ids: Sequence[int] | np.ndarray, num_blocks: int) -> np.ndarray:
+    """Block ids as int64, or InvalidRequestError naming `field` (empty, out of range, duplicated)."""
+    try:
+        arr = np.asarray(ids)
+    except (TypeError, ValueError) as e:
+        raise InvalidRequestError(field, f"not a list of integers ({e})") from e
+    if arr.ndim != 1:
+        raise InvalidRequestError(field, f"must be a flat list, got shape {arr.shape}")
+    if arr.size == 0:
+        raise InvalidRequestError(field, "is empty")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidRequestError(field, f"must hold integers, got {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    bad = arr[(arr < 0) | (arr >= num_blocks)]
+    if bad.size:
+        raise InvalidRequestError(field, f"block ids {bad[:8].tolist()} outside [0, {num_blocks})")
+    uniq, counts = np.unique(arr, return_counts=True)
+    if uniq.size != arr.size:
+        raise InvalidRequestError(field, f"duplicated block ids {uniq[counts > 1][:8].tolist()}")
+    return arr
+
+
+def validated_pull(params: KVTransferParams, local_block_ids: Sequence[int] | np.ndarray, num_local_blocks: int,
+                   model_kv_heads: int) -> PullTarget:
+    """The checked remote side of a pull into `local_block_ids`; InvalidRequestError names the field."""
+    if not params.do_remote_prefill:
+        raise InvalidRequestError(f"{FIELD}.do_remote_prefill", "must be true to pull")
+    _check_pull_fields(params)
+    local = validate_block_ids("local_block_ids", local_block_ids, num_local_blocks)
+    remote = validate_block_ids(f"{FIELD}.remote_block_ids", params.remote_block_ids or [], MAX_REMOTE_BLOCK_ID)
+    problem = tp_problem(model_kv_heads, params.tp_size) if params.tp_size >= 1 else "tp_size must be >= 1"
+    if problem:
+        raise InvalidRequestError(f"{FIELD}.tp_size", f"prefill {problem}")
+    assert params.remote_engine_id and params.remote_host and params.remote_port and params.remote_request_id
+    return PullTarget(params.remote_engine_id, params.remote_host, params.remote_port, params.remote_request_id,
+                      remote, local, params.tp_size, params.remote_incarnation_id, params.remote_num_tokens)

@@ -1,0 +1,193 @@
+"""Decode side: the prefill peers it knows, and what a handshake sets up for each.
+
+A peer is one prefill rank (engine id + TP rank): its side channel, the incarnation and cache spec it
+answered with, the plan chosen for it (`hetero.SourcePlan`) and the transport built for that plan. A
+peer is *ready* once its transport exists; that is the last step of `PeerSet.setup`, so a set-up that
+fails half way leaves a peer that is not ready and is dropped. Prepared local descriptor lists and
+staging caches are shared by every peer that needs the same one. Loop thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import zmq
+
+from kvconnect.core import protocol as p
+from kvconnect.core.agent import MemKind, NixlAgent, PreppedList
+from kvconnect.core.cache import KVCache
+from kvconnect.core.config import ConnectorConfig, TransportChoice
+from kvconnect.core.descriptors import PairPlan, strided_descriptor_array
+from kvconnect.core.errors import InvalidRequestError, LayoutMismatchError
+from kvconnect.core.handshake import PeerChannel
+from kvconnect.core.hetero import Path, Source, SourcePlan, Sources, plan_source, plan_sources
+from kvconnect.core.layout import CacheSpec
+from kvconnect.core.staging import StagingPool
+from kvconnect.core.transports.base import Transport
+from kvconnect.core.transports.nixl_read import NixlRead
+
+if TYPE_CHECKING:
+    from kvconnect.core.pull import Pull
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Peer:
+    engine_id: str
+    host: str
+    port: int
+    channel: PeerChannel
+    source: Source
+    remote_tp: int = 1
+    hello_sent_s: float = 0.0
+    info: p.PeerInfo | None = None
+    agent_name: str = ""
+    plan: SourcePlan | None = None
+    transport: Transport | None = None
+    waiting: list[Pull] = field(default_factory=list)  # pulls waiting for the handshake
+    confirming: dict[str, Pull] = field(default_factory=dict)  # by remote request id: a PIN or CONFIRM answer due
+
+    @property
+    def ready(self) -> bool:
+        return self.transport is not None
+
+    @property
+    def key(self) -> str:
+        return peer_key(self.engine_id, self.source.rank)
+
+
+def peer_key(engine_id: str, rank: int) -> str:
+    return f"{engine_id}#{rank}"
+
+
+class PeerSet:
+    """The known peers, and the local resources their transports share."""
+
+    def __init__(self, agent: NixlAgent, cache: KVCache, config: ConnectorConfig, ctx: zmq.Context,
+                 secret: bytes) -> None:
+        self._agent = agent
+        self._cache = cache
+        self._config = config
+        self._ctx = ctx
+        self._secret = secret
+        self._mem = MemKind.for_device(cache.spec.device)
+        self._peers: dict[str, Peer] = {}
+        self._local_lists: dict[tuple[object, ...], PreppedList] = {}
+        self.staging: dict[CacheSpec, StagingPool] = {}  # by staging spec (one per remote shape)
+        self._sources: dict[int, Sources] = {}  # by remote TP size
+
+    def get(self, key: str) -> Peer | None:
+        return self._peers.get(key)
+
+    def all(self) -> list[Peer]:
+        return list(self._peers.values())
+
+    def new(self, engine_id: str, host: str, port: int, source: Source, remote_tp: int) -> Peer:
+        peer = Peer(engine_id, host, port, PeerChannel(self._ctx, host, port, self._secret), source, remote_tp)
+        self._peers[peer.key] = peer
+        return peer
+
+    def forget(self, peer: Peer, keep_agent: bool) -> None:
+        """Remove `peer`: its remote agent (unless `keep_agent`: a given-up READ still uses it; it is then
+        freed when the NIXL agent closes), its transport and its channel."""
+        self._peers.pop(peer.key, None)
+        if peer.agent_name and not keep_agent:
+            self._agent.remove_remote(peer.agent_name)
+        if peer.transport is not None:
+            peer.transport.close()
+            peer.transport = None
+        peer.channel.close()
+
+    def stale(self, peer: Peer, pull: Pull) -> tuple[str, bool] | None:
+        """Why `peer` cannot serve `pull` and must be dropped (and whether it moved: its waiting pulls then
+        fail too), or None. A peer made only to send a release adopts the heads the pull reads."""
+        if (peer.host, peer.port, peer.remote_tp) != (pull.remote_host, pull.remote_port, pull.remote_tp):
+            return "side channel address changed", True
+        if peer.source != pull.source:
+            if peer.plan is not None:
+                return "pull reads other heads from this rank", False
+            assert pull.source is not None
+            peer.source = pull.source
+        if peer.info is not None and pull.expected_incarnation not in (None, peer.info.incarnation_id):
+            return f"pull names incarnation {pull.expected_incarnation[:12]}", False
+        return None
+
+    def sources(self, remote_tp: int) -> Sources:
+        """The prefill ranks this decode rank reads when the prefill runs `remote_tp` ranks (any thread)."""
+        got = self._sources.get(remote_tp)
+        if got is None:
+            try:
+                got = self._sources[remote_tp] = plan_sources(self._cache.spec, remote_tp)
+            except LayoutMismatchError as e:
+                raise InvalidRequestError("kv_transfer_params.tp_size", str(e)) from e
+        return got
+
+    # --- handshake -----------------------------------------------------------------------------------
+
+    def setup(self, peer: Peer, info: p.PeerInfo) -> None:
+        """Make `peer` ready from its handshake answer; raises a kvconnect error naming what is wrong."""
+        spec, config = self._cache.spec, self._config
+        if info.engine_id != peer.engine_id:
+            raise InvalidRequestError("kv_transfer_params.remote_engine_id", f"peer at {peer.host}:{peer.port} is "
+                                      f"engine {info.engine_id!r}, not {peer.engine_id!r}")
+        if (info.spec.tp_size, info.spec.tp_rank) != (peer.remote_tp, peer.source.rank):
+            raise LayoutMismatchError(
+                {"tp_rank": (peer.source.rank, info.spec.tp_rank), "tp_size": (peer.remote_tp, info.spec.tp_size)},
+                f"peer at {peer.host}:{peer.port} is rank {info.spec.tp_rank} of {info.spec.tp_size}, expected "
+                f"rank {peer.source.rank} of {peer.remote_tp} (ranks listen on base port + rank)")
+        staging_blocks = config.staging_mb * 2**20 // info.spec.block_bytes
+        plan = plan_source(spec, info.spec, peer.source, config.hetero_path.value, staging_blocks)
+        peer.info, peer.plan = info, plan
+        peer.agent_name = self._agent.add_remote(info.agent_metadata)
+        remote_list = self._agent.prep(
+            peer.agent_name,
+            strided_descriptor_array(plan.pair.remote_units, info.spec.num_blocks, info.base_addrs, info.device_id),
+            MemKind.for_device(info.spec.device),
+        )
+        local_list = self._local_list(plan)
+        peer.transport = self._same_host_transport(peer, info, plan.pair) if plan.path is Path.BLOCK else None
+        if peer.transport is None:
+            peer.transport = NixlRead(self._agent, plan.pair, local_list, remote_list)
+
+    def staging_pool(self, plan: SourcePlan) -> StagingPool:
+        assert plan.staging_spec is not None
+        return self.staging[plan.staging_spec]
+
+    def _local_list(self, plan: SourcePlan) -> PreppedList:
+        """The prepared list of the pull's local target (the cache, or a staging cache made for this shape)."""
+        stage = plan.staging_spec
+        if stage is not None and stage not in self.staging:
+            pool = StagingPool(stage)
+            self._agent.register(np.array([[addr, stage.region_bytes, pool.cache.device_id]
+                                           for addr in pool.cache.base_addrs()], dtype=np.int64), self._mem)
+            self.staging[stage] = pool
+            log.info("staging cache for %s: %d blocks, %.0f MiB", plan.pair.remote_spec.kind.value, pool.capacity,
+                     stage.cache_bytes / 2**20)
+        table = plan.pair.local_units
+        key = (table.granularity, table.unit_bytes, table.region.tobytes(), table.offset_bytes.tobytes(),
+               plan.pair.local_spec)  # plans with equal local unit tables share one list
+        if key not in self._local_lists:
+            target = self.staging[stage].cache if stage is not None else self._cache
+            self._local_lists[key] = self._agent.prep(
+                "", strided_descriptor_array(table, plan.pair.local_spec.num_blocks, target.base_addrs(),
+                                             target.device_id), self._mem)
+        return self._local_lists[key]
+
+    def _same_host_transport(self, peer: Peer, info: p.PeerInfo, pair: PairPlan) -> Transport | None:
+        """The CUDA IPC gather for a same-host GPU peer when allowed (None: use NIXL)."""
+        choice = self._config.transport
+        if choice is TransportChoice.NIXL or self._cache.spec.device != "cuda" or info.spec.device != "cuda":
+            return None
+        from kvconnect.core.transports import ipc_gather
+
+        try:
+            return ipc_gather.IpcTransport.open(info, pair, self._cache)
+        except ipc_gather.PeerCopyError as e:
+            if choice is TransportChoice.IPC:
+                raise
+            log.info("peer %s: CUDA IPC gather unavailable (%s); using NIXL", peer.engine_id, e)
+            return None

@@ -1,0 +1,45 @@
+"""What a connector has done so far: its counters, and the snapshot it hands to /health and /metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+
+@dataclass
+class Counters:
+    """Monotonic counters; written by the connector's loop thread only."""
+
+    pulls_ok: int = 0
+    pull_failures: dict[str, int] = field(default_factory=dict)  # by error class
+    bytes_pulled: int = 0
+    handshakes: int = 0
+    handshake_failures: int = 0
+    notifs: int = 0
+    stale_notifs: int = 0
+
+    def failed(self, error: BaseException) -> None:
+        name = type(error).__name__
+        self.pull_failures[name] = self.pull_failures.get(name, 0) + 1
+
+
+class ConnectorSnapshot(msgspec.Struct, frozen=True):
+    """A connector's state at one moment, for health checks and metrics (read from any thread)."""
+
+    engine_id: str
+    incarnation_id: str
+    side_channel_port: int
+    pulls_ok: int
+    pull_failures: dict[str, int]
+    bytes_pulled: int
+    handshakes: int
+    handshake_failures: int
+    notifs: int
+    stale_notifs: int
+    side_channel_refused: int  # malformed, wrong version, or unauthenticated side-channel messages
+    abandoned_reads: int  # given-up transfers that may still write into their blocks
+    quarantined_blocks: int  # local blocks held until those transfers end
+    leases_held: int
+    lease_blocks_held: int
+    leases_ended: dict[str, int]  # by lease state (held counts the ones still held)

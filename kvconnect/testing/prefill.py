@@ -1,0 +1,284 @@
+"""A prefill worker in a process of its own, driven over a pipe (real NIXL, real ZMQ): the one harness the
+tests and `kvconnect bench` share.
+
+The process owns one `KVConnector` over a cache it allocates; `setup` replaces both (a fresh spec, seed
+and side-channel port), so one process can serve many benchmark cases. Every command is answered with
+("ok", value) or ("error", text); `PrefillProcess.ask` raises `KVConnectError` on the latter. Commands:
+
+- `setup(spec, seed, port)`: a new cache filled from `seed`, a new connector; answers its side-channel port
+  and incarnation id;
+- leases: `lease(request_id, block_ids, num_tokens)` (the params as JSON), `state(request_id)`,
+  `settle(request_id, timeout_s)` (wait until it is no longer held), `release(request_id)` (its final
+  state and the blocks still leased once drained), `expire(request_id)`, `held`, `freed`;
+- the cache: `block(id)` (its bytes), `randn(seed)`, `kv(layer, ids)`, `fill_ref(seed, num_tokens, ids)`,
+  `tokens(ids, num_tokens)`, `overwrite(ids)`;
+- `pull(params_json, local_ids)`: this process as a decode worker: ("ok", stats) or ("failed", class, text).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from kvconnect.core.errors import KVConnectError
+from kvconnect.core.layout import CacheSpec
+from kvconnect.core.params import KVTransferParams
+
+log = logging.getLogger(__name__)
+
+UCX_VARS = ("UCX_TLS", "UCX_NET_DEVICES", "NIXL_LOG_LEVEL", "UCX_CUDA_IPC_MAX_STREAMS")
+START_TIMEOUT_S = 120.0
+RELEASE_WAIT_S = 10.0
+POLL_S = 0.0005
+
+
+def reference_kv(seed: int, num_tokens: int, spec: CacheSpec) -> Any:
+    """The whole model's KV for `num_tokens` tokens, (tokens, layers, 2, model KV heads, head_dim): what every
+    rank of a TP group holds its slice of (deterministic in `seed`)."""
+    import torch
+
+    from kvconnect.core.cache import TORCH_DTYPES
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    shape = (num_tokens, spec.num_layers, 2, spec.model_kv_heads, spec.head_dim)
+    return torch.randn(shape, generator=gen).to(TORCH_DTYPES[spec.dtype])
+
+
+def rank_tokens(cache: Any, block_ids: list[int], num_tokens: int) -> Any:
+    """Tokens [0, n) of this rank's cache in `block_ids`, as (tokens, layers, 2, H, D) on the CPU."""
+    import torch
+
+    spec = cache.spec
+    layers = []
+    for layer in range(spec.num_layers):
+        halves = [view[block_ids].reshape(-1, spec.num_kv_heads, spec.head_dim)[:num_tokens].cpu()
+                  for view in cache.kv(layer)]
+        layers.append(torch.stack(halves, dim=1))
+    return torch.stack(layers, dim=1)
+
+
+def _wait_until(read: Any, done: Any, timeout_s: float) -> Any:
+    """Poll `read()` until `done(value)` or the deadline; returns the last value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = read()
+        if done(value) or time.monotonic() >= deadline:
+            return value
+        time.sleep(POLL_S)
+
+
+class _Server:
+    """The process's state: one cache and connector at a time, replaced by each `setup`."""
+
+    def __init__(self, device: str, config: dict[str, Any]) -> None:
+        self.device = device
+        self.config = config
+        self.connector: Any = None
+        self.cache: Any = None
+        self.freed: list[int] = []
+
+    def setup(self, spec_raw: bytes, seed: int, port: int) -> tuple[int, str]:
+        import torch
+
+        from kvconnect.core.cache import KVCache
+        from kvconnect.core.config import connector_config
+        from kvconnect.core.connector import KVConnector
+
+        self.close()  # release NIXL's hold, then the old cache's memory
+        spec = msgspec.msgpack.decode(spec_raw, type=CacheSpec)
+        self.cache = KVCache.allocate(spec, self.device)
+        self.cache.fill_pattern(seed)
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize(torch.device(self.device))
+        self.freed = []
+        config = connector_config({}, **{**self.config, **({"side_channel_port": port} if port else {})})
+        self.connector = KVConnector(self.cache, config, on_blocks_freed=self.freed.extend)
+        return self.connector.side_channel_port, self.connector.incarnation_id
+
+    def handle(self, cmd: str, args: list[Any]) -> Any:
+        import torch
+
+        if cmd == "setup":
+            return self.setup(*args)
+        conn, cache = self.connector, self.cache
+        if conn is None:
+            raise KVConnectError(f"{cmd!r} before setup")
+        spec = cache.spec
+        if cmd == "lease":  # (request id, block ids[, num_tokens])
+            return msgspec.json.encode(conn.lease(*args))
+        if cmd == "state":
+            return conn.lease_state(args[0]).value
+        if cmd == "settle":  # (request id, timeout): its state once it is no longer held
+            return _wait_until(lambda: conn.lease_state(args[0]).value, lambda s: s != "held", args[1])
+        if cmd == "release":  # end the lease if still held: (its final state, blocks this rank still leases)
+            state = conn.release(args[0]).value
+            return state, _wait_until(lambda: conn.snapshot().lease_blocks_held, lambda n: n == 0, RELEASE_WAIT_S)
+        if cmd == "expire":
+            return conn.expire_lease(args[0]).value
+        if cmd == "held":
+            return conn.snapshot().lease_blocks_held
+        if cmd == "freed":
+            return sorted(self.freed)
+        if cmd == "block":
+            return cache.block_bytes(args[0])
+        if cmd == "randn":  # finite values, for attention checks
+            gen = torch.Generator(device="cpu").manual_seed(args[0])
+            for t in cache.regions:
+                t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+            return "ok"
+        if cmd == "kv":  # one layer's K and V of the given blocks, as CPU tensors
+            k, v = cache.kv(args[0])
+            return k[args[1]].cpu(), v[args[1]].cpu()
+        if cmd == "fill_ref":  # (seed, num_tokens, block_ids): this rank's heads of the reference, in token order
+            seed, num_tokens, ids = args
+            ref = reference_kv(seed, num_tokens, spec)
+            lo, hi = spec.head_range()
+            t = torch.arange(num_tokens)
+            blk, slot = torch.as_tensor(ids)[t // spec.block_size], t % spec.block_size
+            for layer in range(spec.num_layers):
+                for kv, view in enumerate(cache.kv(layer)):
+                    view[blk, slot] = ref[:, layer, kv, lo:hi].to(view.device)
+            return "ok"
+        if cmd == "tokens":  # (block_ids, num_tokens)
+            return rank_tokens(cache, *args)
+        if cmd == "pull":  # (kv_transfer_params as JSON, local block ids)
+            params = msgspec.json.decode(args[0], type=KVTransferParams)
+            try:
+                stats = conn.pull(params, args[1]).wait(60)
+            except KVConnectError as e:
+                return "failed", type(e).__name__, str(e)
+            return "ok", msgspec.to_builtins(stats)
+        if cmd == "overwrite":
+            for layer in range(spec.num_layers):
+                for t in cache.kv(layer):
+                    t[args[0]].view(torch.uint8).fill_(0xAB)
+            return "ok"
+        raise KVConnectError(f"unknown command {cmd!r}")
+
+    def close(self) -> None:
+        if self.connector is not None:
+            self.connector.close()
+        self.connector = self.cache = None
+
+
+def _main(pipe: Any, env: dict[str, str], device: str, config: dict[str, Any]) -> None:
+    """Entry point of the spawned process: serve commands until `stop` or a closed pipe."""
+    os.environ.update(env)  # before anything loads NIXL/UCX
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    server = _Server(device, config)
+    pipe.send(("ok", os.getpid()))
+    try:
+        while True:
+            try:
+                cmd, *args = pipe.recv()
+            except EOFError:
+                break
+            if cmd == "stop":
+                break
+            try:
+                pipe.send(("ok", server.handle(cmd, args)))
+            except Exception as e:  # report to the driver instead of dying
+                pipe.send(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        server.close()
+
+
+@dataclass
+class PrefillProcess:
+    """The driver's handle on one prefill process."""
+
+    proc: Any
+    pipe: Any
+    port: int = 0
+    incarnation_id: str = ""
+
+    @classmethod
+    def launch(cls, env: dict[str, str] | None = None, device: str = "cpu", **config: Any) -> PrefillProcess:
+        """Spawn the process (UCX settings inherited, `env` on top; `config`: ConnectorConfig fields, the side
+        channel on loopback unless told). Call `wait_started`; launch several first to start them together."""
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        child_env = {**{k: os.environ[k] for k in UCX_VARS if k in os.environ}, **(env or {})}
+        config.setdefault("side_channel_host", "127.0.0.1")
+        proc = ctx.Process(target=_main, args=(child, child_env, device, config), daemon=True,
+                           name="kvconnect-prefill")
+        proc.start()
+        child.close()
+        return cls(proc, parent)
+
+    @classmethod
+    def start(cls, spec: CacheSpec, seed: int = 1, env: dict[str, str] | None = None, device: str | None = None,
+              **config: Any) -> PrefillProcess:
+        """Launch, wait, and set up one cache: a ready prefill worker."""
+        peer = cls.launch(env, device or spec.device, **config)
+        try:
+            peer.wait_started()
+            peer.setup(spec, seed)
+            peer.wait_setup()
+        except BaseException:
+            peer.stop()
+            raise
+        return peer
+
+    def wait_started(self) -> None:
+        self.answer("start", START_TIMEOUT_S)
+
+    def answer(self, what: str, timeout_s: float) -> Any:
+        """The answer to the command sent last; KVConnectError if it failed or did not come in time."""
+        if not self.pipe.poll(timeout_s):
+            raise KVConnectError(f"prefill process did not answer {what!r} within {timeout_s:.0f}s")
+        try:
+            tag, value = self.pipe.recv()
+        except EOFError as e:
+            raise KVConnectError(f"prefill process exited during {what!r} (exit code {self.proc.exitcode})") from e
+        if tag != "ok":
+            raise KVConnectError(f"prefill process failed {what!r}: {value}")
+        return value
+
+    def send(self, *cmd: Any) -> None:
+        """Send a command without waiting (several processes can then work at once); see `answer`."""
+        self.pipe.send(cmd)
+
+    def ask(self, *cmd: Any, timeout_s: float = 60.0) -> Any:
+        self.send(*cmd)
+        return self.answer(cmd[0], timeout_s)
+
+    def setup(self, spec: CacheSpec, seed: int, port: int = 0) -> None:
+        """Send a new cache spec (side channel on `port`, 0 = any); `wait_setup` for the answer."""
+        self.send("setup", msgspec.msgpack.encode(spec), seed, port)
+
+    def wait_setup(self) -> None:
+        self.port, self.incarnation_id = self.answer("setup", START_TIMEOUT_S)
+
+    def lease(self, request_id: str, block_ids: list[int], num_tokens: int | None = None) -> KVTransferParams:
+        return msgspec.json.decode(self.ask("lease", request_id, block_ids, num_tokens), type=KVTransferParams)
+
+    def settle(self, request_id: str, timeout_s: float) -> str:
+        return str(self.ask("settle", request_id, timeout_s, timeout_s=timeout_s + 10))
+
+    def release(self, request_id: str) -> tuple[str, int]:
+        """Release the lease if it is still held: (its final state, blocks this rank still leases)."""
+        state, held = self.ask("release", request_id)
+        return str(state), int(held)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.pipe.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+            self.proc.join(20)
+        if self.proc.is_alive():
+            log.warning("prefill process did not stop; killing pid %s", self.proc.pid)
+            self.proc.kill()
+            self.proc.join(5)
+        self.pipe.close()

@@ -1,0 +1,148 @@
+"""The package's shape: rooms import only downwards, no import cycles (TYPE_CHECKING ones included), the
+public API is declared, and modules stay small.
+
+Rooms and what each may import (besides itself and third-party libraries):
+
+    kvconnect (the public API)  -> core
+    core (and core/transports)  -> (nothing of ours)
+    engine                      -> core
+    vllm                        -> core, the public API
+    testing                     -> core, the public API
+    bench                       -> core, testing, the public API
+    serving                     -> core, engine, bench, testing, the public API
+    cli                         -> anything
+Nothing in the package (or scripts/) imports tests.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "kvconnect"
+MAX_LINES = 400
+
+ALLOWED = {
+    "api": {"core"},
+    "core": set(),
+    "engine": {"core"},
+    "vllm": {"core", "api"},
+    "testing": {"core", "api"},
+    "bench": {"core", "testing", "api"},
+    "serving": {"core", "engine", "bench", "testing", "api"},
+    "cli": {"core", "engine", "vllm", "testing", "bench", "serving", "api"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "api"
+    return parts[1] if parts[1] in ALLOWED else "api"
+
+
+def imported(path: Path) -> set[str]:
+    """Every kvconnect module `path` imports, anywhere in the file (functions and TYPE_CHECKING included)."""
+    tree = ast.parse(path.read_text())
+    here = module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] in ("kvconnect", "tests"):
+                out.add(name)
+    return out
+
+
+GRAPH = {name: imported(path) for name, path in MODULES.items()}
+
+
+def test_the_graph_sees_the_imports_it_should() -> None:
+    # a check that can fail: known edges of the real package are found, TYPE_CHECKING ones included
+    assert "kvconnect.core.decode" in GRAPH["kvconnect.core.connector"]
+    assert "kvconnect.core.pull" in GRAPH["kvconnect.core.peers"]  # (under TYPE_CHECKING)
+    assert room("kvconnect.core.transports.nixl_read") == "core" and room("kvconnect") == "api"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_rooms_import_only_downwards(module: str) -> None:
+    mine = room(module)
+    for target in sorted(GRAPH[module]):
+        assert not target.startswith("tests"), f"{module} imports the test suite ({target})"
+        theirs = room(target)
+        assert theirs == mine or theirs in ALLOWED[mine], \
+            f"{module} ({mine}) imports {target} ({theirs}); {mine} may import {sorted(ALLOWED[mine]) or 'nothing'}"
+
+
+def test_no_import_cycles() -> None:
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(GRAPH.get(node, ())):
+            if target not in MODULES or target == node:
+                continue
+            if state.get(target) == 1:
+                cycle = stack[stack.index(target):] + [target]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target)
+        stack.pop()
+        state[node] = 2
+
+    for module in sorted(MODULES):
+        if module not in state:
+            visit(module)
+
+
+def test_scripts_do_not_import_the_test_suite() -> None:
+    for path in sorted((ROOT / "scripts").glob("*.py")):
+        assert not any(name.startswith("tests") for name in imported(path)), path
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_modules_are_small_and_say_what_they_own(module: str) -> None:
+    path = MODULES[module]
+    text = path.read_text()
+    assert len(text.splitlines()) <= MAX_LINES, f"{path.relative_to(ROOT)} has {len(text.splitlines())} lines"
+    if text.strip():
+        assert ast.get_docstring(ast.parse(text)), f"{path.relative_to(ROOT)} opens with no docstring"
+
+
+def test_the_public_api_is_declared_and_importable() -> None:
+    import kvconnect
+
+    assert set(kvconnect.__all__) >= {"KVConnector", "KVCache", "CacheSpec", "LayoutKind", "ConnectorConfig",
+                                      "connector_config", "PullHandle", "PullStats", "KVTransferParams",
+                                      "KVConnectError", "LeaseLostError", "ConnectorSnapshot"}
+    missing = [name for name in kvconnect.__all__ if not hasattr(kvconnect, name)]
+    assert not missing
+    from kvconnect.core.errors import KVConnectError
+
+    errors = [getattr(kvconnect, n) for n in kvconnect.__all__ if n.endswith("Error")]
+    assert all(issubclass(e, KVConnectError) for e in errors)
