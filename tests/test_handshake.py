@@ -24,7 +24,7 @@ INFO = p.PeerInfo(p.PROTOCOL_VERSION, "srv", "inc-1", "agent", b"metadata", SPEC
 def handler(msg: p.Request) -> p.Reply:
     if isinstance(msg, p.Hello):
         return INFO
-    return p.LeaseReply(msg.request_id, p.LeaseState.COMPLETED, "inc-1")
+    return p.LeaseReply(msg.request_id, p.LeaseState.COMPLETED, "inc-1", seq=msg.seq)
 
 
 class Running:
@@ -153,15 +153,18 @@ def test_dead_address_fails_within_deadline(ctx) -> None:
 def test_peer_channel_correlates_replies(ctx, server) -> None:
     ch = PeerChannel(ctx, "127.0.0.1", server.port, server.secret)
     ch.send(hello())
-    ch.send(p.LeaseRequest(p.PROTOCOL_VERSION, "client", "r9", p.LeaseAction.CONFIRM))
+    ch.send(p.LeaseRequest(p.PROTOCOL_VERSION, "client", "r9", p.LeaseAction.CONFIRM, seq=1))
+    ch.send(p.LeaseRequest(p.PROTOCOL_VERSION, "client", "r9", p.LeaseAction.CONFIRM, seq=2))  # same request id
     got: dict = {}
     deadline = time.monotonic() + 5
-    while len(got) < 2 and time.monotonic() < deadline:
+    while len(got) < 3 and time.monotonic() < deadline:
         ch.sock.poll(50)
         got.update(ch.receive())
     ch.close()
     assert isinstance(got["hello"], p.PeerInfo)
-    assert isinstance(got["lease:r9"], p.LeaseReply) and got["lease:r9"].state is p.LeaseState.COMPLETED
+    for ref in ("lease:r9:1", "lease:r9:2"):  # each reply answers its own message, not merely its request id
+        assert isinstance(got[ref], p.LeaseReply) and got[ref].state is p.LeaseState.COMPLETED and \
+            got[ref].seq == int(ref[-1])
 
 
 def test_reply_signed_with_another_secret_is_rejected(ctx) -> None:

@@ -118,3 +118,35 @@ def test_several_readers_each_pin_and_the_last_one_frees() -> None:
     t.release("a")  # e.g. the request was aborted while reader 0 still reads
     assert freed == []
     assert t.complete("a", reader=0, readers=2) is LeaseState.COMPLETED and freed == [7]
+
+
+def test_a_lease_is_bound_to_its_blocks() -> None:
+    """Only the leased blocks (or their tail: a decode's prefix hit reads fewer) may be named for a lease."""
+    from kvconnect.core.protocol import blocks_digest
+
+    t, clock, freed = table()
+    t.grant("a", [1, 2, 3])
+    t.grant("b", [7, 8])
+    assert t.blocks_problem("a", [1, 2, 3]) == "" and t.blocks_problem("a", [2, 3]) == ""
+    assert t.blocks_problem("a", [3]) == ""
+    assert "[7, 8] are not leased to it" in t.blocks_problem("a", [7, 8])
+    assert "not the tail" in t.blocks_problem("a", [1, 2])  # a prefix is not what a prefix hit leaves
+    assert "not the tail" in t.blocks_problem("a", [3, 2, 1])  # nor the same blocks in another order
+    assert "required" in t.blocks_problem("a", [])
+    assert "not leased" in t.blocks_problem("a", [0, 1, 2, 3])
+    assert t.blocks_problem("nobody", [7]) == ""  # an unknown lease has nothing to protect
+    assert t.digest_matches("a", 2, blocks_digest([2, 3])) and not t.digest_matches("a", 2, blocks_digest([7, 8]))
+    assert not t.digest_matches("a", 0, b"")
+    assert t.state("a") is LeaseState.HELD and t.state("b") is LeaseState.HELD and freed == []
+
+
+def test_a_non_reader_release_never_drops_a_readers_pin() -> None:
+    """A release from someone who is not reading (the proxy, a decode that gave up) ends the lease but leaves
+    a reader's pin: the pinned READ's blocks stay until that reader confirms, so its data is good."""
+    t, clock, freed = table()
+    t.grant("a", [4, 5])
+    assert t.pin("a", reader=0, pin_s=5.0) is LeaseState.HELD
+    assert t.release("a", reader=-1) is LeaseState.RELEASED
+    assert freed == [] and t.num_blocks_held == 2  # still pinned by reader 0
+    assert t.complete("a", reader=0) is LeaseState.COMPLETED  # its read happened under the pin
+    assert freed == [4, 5] and t.num_blocks_held == 0

@@ -18,6 +18,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvconnect.core import lease_client
 from kvconnect.core import protocol as p
 from kvconnect.core.errors import AuthError, InvalidRequestError, ProtocolError
 from kvconnect.core.handshake import request as side_request
@@ -101,7 +102,10 @@ def test_unauthenticated_peer_gets_no_metadata_and_cannot_release_leases(cluster
         assert health(cluster.urls["prefill"])["leased_blocks"] == len(params["remote_block_ids"])
         info = side_request(ctx, "127.0.0.1", port, p.Hello(p.PROTOCOL_VERSION, "friend"), 5, SECRET.encode())
         assert isinstance(info, p.PeerInfo) and info.engine_id == "demo-prefill"
-        release = p.LeaseRequest(p.PROTOCOL_VERSION, "friend", "victim-1", p.LeaseAction.RELEASE)
+        nameless = p.LeaseRequest(p.PROTOCOL_VERSION, "friend", "victim-1", p.LeaseAction.RELEASE)
+        reply = side_request(ctx, "127.0.0.1", port, nameless, 5, SECRET.encode())  # names no blocks: refused
+        assert isinstance(reply, p.LeaseReply) and reply.state is p.LeaseState.UNKNOWN and "block_ids" in reply.reason
+        release = lease_client.release("friend", "victim-1", params["remote_block_ids"])
         reply = side_request(ctx, "127.0.0.1", port, release, 5, SECRET.encode())
         assert isinstance(reply, p.LeaseReply) and reply.state is p.LeaseState.RELEASED
         assert idle(cluster.urls["prefill"])
@@ -204,7 +208,7 @@ def test_bad_transfer_params_get_400_naming_the_field_and_nothing_is_read(cluste
     poll_until(lambda: idle(urls["decode"]), what="decode blocks freed")
     ctx = zmq.Context()  # clean up a lease the request did not name well enough for the decode to release
     try:
-        msg = p.LeaseRequest(p.PROTOCOL_VERSION, "test", rid, p.LeaseAction.RELEASE)
+        msg = lease_client.release("test", rid, params["remote_block_ids"])
         reply = side_request(ctx, "127.0.0.1", side_port(cluster), msg, 5, SECRET.encode())
         assert isinstance(reply, p.LeaseReply) and reply.state is p.LeaseState.RELEASED
     finally:
@@ -213,13 +217,35 @@ def test_bad_transfer_params_get_400_naming_the_field_and_nothing_is_read(cluste
 
 
 def test_refused_leg_releases_the_lease_it_names(cluster: Cluster) -> None:
+    """A leg refused for its own reasons (here, a prompt shorter than what the blocks hold) frees its lease at
+    once, since it names the lease's blocks."""
     released = metric(cluster.urls["prefill"], "kvconnect_leases_ended", outcome="released")
-    params = prefill_leg(cluster.urls["prefill"], PROMPT, "oor-1")
-    bad = {**params, "remote_block_ids": [0, 1, 1_000_000]}
-    r = decode_leg(cluster.urls["decode"], PROMPT, bad, MAX_TOKENS, "oor-1")
-    assert r["status"] == 400 and "outside" in r["error"], r
+    params = prefill_leg(cluster.urls["prefill"], PROMPT, "short-1")
+    r = decode_leg(cluster.urls["decode"], PROMPT[:10], params, MAX_TOKENS, "short-1")
+    assert r["status"] == 400 and r["param"] == "kv_transfer_params.remote_num_tokens", r
     poll_until(lambda: idle(cluster.urls["prefill"]), timeout_s=10, what="lease released at once")
     assert metric(cluster.urls["prefill"], "kvconnect_leases_ended", outcome="released") == released + 1
+
+
+def test_params_edited_to_other_blocks_get_400_and_the_real_lease_ends_normally(cluster: Cluster,
+                                                                               expected: list[int]) -> None:
+    """A client reaching the decode worker itself points its params at another request's blocks: 400 naming
+    the field, nothing of theirs used, no lease ended by it; both real requests then decode as usual."""
+    urls = cluster.urls
+    a = prefill_leg(urls["prefill"], PROMPT, "mine-1")
+    b = prefill_leg(urls["prefill"], PROMPT, "theirs-1")
+    ended = {o: metric(urls["prefill"], "kvconnect_leases_ended", outcome=o) for o in ("released", "completed")}
+    edited = {**a, "remote_block_ids": b["remote_block_ids"]}
+    r = decode_leg(urls["decode"], PROMPT, edited, MAX_TOKENS, "mine-1")
+    assert r["status"] == 400 and r["param"] == "kv_transfer_params.remote_block_ids", r
+    assert "not leased" in r["error"]
+    assert {o: metric(urls["prefill"], "kvconnect_leases_ended", outcome=o) for o in ended} == ended
+    assert health(urls["prefill"])["leased_blocks"] == 2 * NEEDED
+    for rid, params in (("mine-1", a), ("theirs-1", b)):
+        got = decode_leg(urls["decode"], PROMPT, params, MAX_TOKENS, rid)
+        assert got["status"] == 200 and got["token_ids"] == expected, got
+    poll_until(lambda: idle(urls["prefill"]), what="both leases completed by their own readers")
+    assert metric(urls["prefill"], "kvconnect_leases_ended", outcome="completed") == ended["completed"] + 2
 
 
 # --- fuzzing what test_protocol.py does not: replies, notifications, OpenAI bodies -------------------

@@ -22,9 +22,20 @@ from collections.abc import Callable
 from kvconnect.core import lease_client
 from kvconnect.core import protocol as p
 from kvconnect.core.config import ConnectorConfig
-from kvconnect.core.errors import HandshakeError, KVConnectError, LeaseLostError, PeerGoneError
+from kvconnect.core.errors import HandshakeError, InvalidRequestError, KVConnectError, LeaseLostError, PeerGoneError
 from kvconnect.core.peers import Peer
 from kvconnect.core.pull import PinState, Pull, PullPhase
+
+BLOCKS_REFUSED = "block_ids:"  # how the prefill's lease table starts a refusal of blocks it did not lease
+
+
+def refusal(pull: Pull, reply: p.LeaseReply) -> KVConnectError | None:
+    """The error a refused PIN or CONFIRM means: blocks the lease does not hold are the request's fault (the
+    params named them), so they fail the pull as an invalid request naming the field."""
+    if reply.reason.startswith(BLOCKS_REFUSED):
+        return InvalidRequestError("kv_transfer_params.remote_block_ids",
+                                   f"the prefill refused them: {reply.reason.removeprefix(BLOCKS_REFUSED).strip()}")
+    return None
 
 
 def lease_problem(reply: p.LeaseReply) -> str:
@@ -56,9 +67,9 @@ class LeaseConfirmation:
         pin_s = max(pull.deadline_s - now, 0.001)
         pull.pin_until_s = now + pin_s  # the prefill pins from when it gets this, so at least until then
         pull.pin = PinState.SENT
-        peer.confirming[pull.remote_request_id] = pull
-        peer.channel.send(lease_client.pin(self._engine_id, pull.remote_request_id, src, pull.remote_block_ids,
-                                           pin_s))
+        msg = lease_client.pin(self._engine_id, pull.remote_request_id, src, pull.remote_block_ids, pin_s)
+        peer.confirming[p.ref_of(msg)] = pull
+        peer.channel.send(msg)
 
     def read_done(self, peer: Peer | None, pull: Pull) -> None:
         """The transfer ended well (and staged data was placed): decide now, or once the pin is answered."""
@@ -71,6 +82,10 @@ class LeaseConfirmation:
 
     def answer(self, peer: Peer, pull: Pull, reply: p.LeaseReply | HandshakeError) -> None:
         """The prefill's answer to this pull's PIN or CONFIRM."""
+        refused = refusal(pull, reply) if isinstance(reply, p.LeaseReply) else None
+        if refused is not None:
+            self._fail(pull, refused)
+            return
         if pull.pin is PinState.SENT:
             if isinstance(reply, HandshakeError):
                 pull.pin, pull.pin_error = PinState.LOST, f"unpinned ({reply})"
@@ -107,5 +122,5 @@ class LeaseConfirmation:
             pull.handle.stats.confirm_s = time.monotonic() - pull.read_done_s
             self._succeed(pull)
             return
-        peer.confirming[pull.remote_request_id] = pull
+        peer.confirming[p.ref_of(confirm)] = pull
         peer.channel.send(confirm)

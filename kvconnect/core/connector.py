@@ -163,6 +163,10 @@ class KVConnector:
         if isinstance(msg, p.Hello):
             return self._peer_info
         self._drain_notifs()  # a notification may be queued behind this request
+        problem = self._leases.blocks_problem(msg.request_id, msg.block_ids)
+        if problem:  # names blocks its lease does not hold: refused, the lease left as it is
+            log.warning("lease %s: %s refused from %s: %s", msg.request_id, msg.action.value, msg.engine_id, problem)
+            return p.LeaseReply(msg.request_id, p.LeaseState.UNKNOWN, self.incarnation_id, reason=problem, seq=msg.seq)
         if msg.action is p.LeaseAction.CONFIRM:
             state = self._leases.complete(msg.request_id, msg.reader, msg.readers)
         elif msg.action is p.LeaseAction.PIN:
@@ -171,7 +175,7 @@ class KVConnector:
             state = self._leases.release(msg.request_id, msg.reader)
             if state is p.LeaseState.RELEASED:
                 log.info("lease %s released by %s", msg.request_id, msg.engine_id)
-        return p.LeaseReply(msg.request_id, state, self.incarnation_id)
+        return p.LeaseReply(msg.request_id, state, self.incarnation_id, seq=msg.seq)
 
     def _drain_notifs(self) -> None:
         for agent_name, messages in self._agent.notifs().items():
@@ -181,8 +185,9 @@ class KVConnector:
                 except KVConnectError as e:
                     log.warning("ignoring malformed notification from %s: %s", agent_name, e)
                     continue
-                if notif.incarnation_id != self.incarnation_id:
-                    self._counters.stale_notifs += 1
+                if notif.incarnation_id != self.incarnation_id or not self._leases.digest_matches(
+                        notif.request_id, notif.num_blocks, notif.blocks_digest):
+                    self._counters.stale_notifs += 1  # another incarnation's, or a read of blocks not leased
                     continue
                 self._counters.notifs += 1
                 self._leases.complete(notif.request_id, notif.reader, notif.readers)

@@ -266,12 +266,12 @@ class DecodeSide:
                 self._fail(late, TransferTimeoutError(
                     f"pull {late.handle.request_id}: peer {peer.key} not ready within the pull's deadline"
                     if not late.handle.cancel_requested else f"pull {late.handle.request_id} cancelled"))
-            for rid, pull in list(peer.confirming.items()):
+            for ref, pull in list(peer.confirming.items()):
                 if pull.phase is PullPhase.POSTED:
                     continue  # a PIN answer pending while the transfer runs: the transfer's deadline covers it
                 if pull.handle.cancel_requested or now >= pull.deadline_s:
-                    del peer.confirming[rid]
-                    peer.channel.forget(f"lease:{rid}")
+                    del peer.confirming[ref]
+                    peer.channel.forget(ref)
                     self._fail(pull, TransferTimeoutError(f"pull {pull.handle.request_id}: lease not confirmed "
                                                           "before the deadline; data discarded"))
 
@@ -284,7 +284,7 @@ class DecodeSide:
                 self._counters.handshake_failures += 1
                 self._fail_peer(peer, reply)
             return
-        pull = peer.confirming.pop(ref.removeprefix("lease:"), None)
+        pull = peer.confirming.pop(ref, None)
         if pull is None or pull.phase in (PullPhase.DONE, PullPhase.FAILED):
             return
         assert not isinstance(reply, p.PeerInfo)
@@ -305,7 +305,9 @@ class DecodeSide:
         """Release the lease this pull reads (as its reader: that also drops its pin)."""
         peer = self.peers.get(pull.peer_key)
         if peer is not None:
-            peer.confirming.pop(pull.remote_request_id, None)
+            for ref in [r for r, x in peer.confirming.items() if x is pull]:
+                del peer.confirming[ref]
+                peer.channel.forget(ref)
             reader = pull.source.reader if pull.source is not None else lease_client.NON_READER
             peer.channel.send(lease_client.release(self._engine_id, pull.remote_request_id, pull.remote_block_ids,
                                                    reader))

@@ -6,6 +6,12 @@ RELEASED (explicitly given back), or EXPIRED (its TTL ran out). Each end hands t
 `on_free(request_id, block_ids)`. Ended leases are remembered for a while as tombstones, so a late
 confirmation learns whether the data it read was still reserved at the time: only COMPLETED means yes.
 
+A lease is bound to its request id *and* its blocks: a reader must name the blocks it read, and
+`blocks_problem` refuses any that the lease does not hold (a suffix of the leased ids is fine: a decode
+that found the prompt's first blocks in its own prefix cache reads only the rest). The refusal leaves
+the lease as it was, so a client that edits `remote_block_ids` cannot end, pin or complete another
+request's lease, nor have its read of blocks it does not own confirmed.
+
 A reader may *pin* a held lease before its read finishes (so it need not ask afterwards): until the pin
 ends (the reader completes or releases, or the pin's own deadline passes) the blocks are not handed back,
 whatever ends the lease meanwhile (TTL, release, force-expire); that end takes effect, blocks scrubbed and
@@ -16,11 +22,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvconnect.core.errors import LeaseError
-from kvconnect.core.protocol import LeaseState
+from kvconnect.core.protocol import LeaseState, blocks_digest
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +81,33 @@ class LeaseTable:
     def num_blocks_held(self) -> int:
         with self._lock:
             return len(self._leased_blocks)
+
+    def blocks_problem(self, request_id: str, block_ids: Sequence[int]) -> str:
+        """Why `block_ids` may not be named for `request_id`'s lease ("" when they may): they must be a
+        non-empty suffix of the leased ids. A lease nobody knows has nothing to protect ("")."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None:
+                return ""
+            leased = lease.block_ids
+        ids = tuple(int(b) for b in block_ids)
+        if not ids:
+            return f"block_ids: required (request {request_id!r} leases {len(leased)} blocks)"
+        if len(ids) > len(leased) or leased[len(leased) - len(ids):] != ids:
+            foreign = sorted(set(ids) - set(leased))[:8]
+            what = f"blocks {foreign} are not leased to it" if foreign else "they are not the tail of its blocks"
+            return f"block_ids: request {request_id!r} cannot name {list(ids[:8])}{'...' if len(ids) > 8 else ''}: " \
+                   f"{what}"
+        return ""
+
+    def digest_matches(self, request_id: str, num_blocks: int, digest: bytes) -> bool:
+        """Whether a notification's (count, digest) names a suffix of the lease's blocks (see protocol)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None:
+                return True  # (completing an unknown lease does nothing)
+            leased = lease.block_ids
+        return 0 < num_blocks <= len(leased) and blocks_digest(leased[len(leased) - num_blocks:]) == digest
 
     def held(self) -> list[Lease]:
         """Snapshot of the leases still held."""

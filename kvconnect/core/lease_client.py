@@ -14,6 +14,7 @@ them with `release_everywhere` (blocking, one short-lived socket per rank). Rule
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -26,6 +27,7 @@ from kvconnect.core.hetero import Source
 from kvconnect.core.params import KVTransferParams
 
 NON_READER = -1
+_seq = itertools.count(1)  # every request's own number: a reply answers exactly the request it names
 
 
 def _ids(block_ids: Sequence[int] | np.ndarray) -> list[int]:
@@ -36,20 +38,20 @@ def pin(engine_id: str, request_id: str, source: Source, block_ids: Sequence[int
         pin_s: float) -> p.LeaseRequest:
     """Keep the blocks for this reader until it confirms, or for `pin_s` at most."""
     return p.LeaseRequest(p.PROTOCOL_VERSION, engine_id, request_id, p.LeaseAction.PIN, reader=source.reader,
-                          readers=source.readers, pin_ms=int(pin_s * 1000), block_ids=_ids(block_ids))
+                          readers=source.readers, pin_ms=int(pin_s * 1000), block_ids=_ids(block_ids), seq=next(_seq))
 
 
 def confirm(engine_id: str, request_id: str, source: Source, block_ids: Sequence[int] | np.ndarray) -> p.LeaseRequest:
     """This reader's read is done: was the lease (or its pin) held until then?"""
     return p.LeaseRequest(p.PROTOCOL_VERSION, engine_id, request_id, p.LeaseAction.CONFIRM, reader=source.reader,
-                          readers=source.readers, block_ids=_ids(block_ids))
+                          readers=source.readers, block_ids=_ids(block_ids), seq=next(_seq))
 
 
 def release(engine_id: str, request_id: str, block_ids: Sequence[int] | np.ndarray,
             reader: int = NON_READER) -> p.LeaseRequest:
     """Give the blocks back now; a reader releasing as itself also drops its own pin."""
     return p.LeaseRequest(p.PROTOCOL_VERSION, engine_id, request_id, p.LeaseAction.RELEASE, reader=reader,
-                          block_ids=_ids(block_ids))
+                          block_ids=_ids(block_ids), seq=next(_seq))
 
 
 def release_after_failure(error: KVConnectError) -> bool:

@@ -49,7 +49,7 @@ class Peer:
     plan: SourcePlan | None = None
     transport: Transport | None = None
     waiting: list[Pull] = field(default_factory=list)  # pulls waiting for the handshake
-    confirming: dict[str, Pull] = field(default_factory=dict)  # by remote request id: a PIN or CONFIRM answer due
+    confirming: dict[str, Pull] = field(default_factory=dict)  # by message ref: a PIN or CONFIRM answer due
 
     @property
     def ready(self) -> bool:

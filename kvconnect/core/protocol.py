@@ -73,6 +73,7 @@ class LeaseRequest(msgspec.Struct, tag="lease"):
     # PIN / CONFIRM: the blocks the reader read; refused unless the lease holds each of them (a suffix of
     # the leased ids is fine: a decode-side prefix-cache hit reads fewer). Empty: not checked (old peers).
     block_ids: list[int] = []
+    seq: int = 0  # the sender's number for this message, echoed in the reply (pairs replies with requests)
 
 
 # --- side channel: replies -----------------------------------------------------------------------
@@ -102,6 +103,7 @@ class LeaseReply(msgspec.Struct, tag="lease_reply"):
     incarnation_id: str = ""
     mac: bytes = b""
     reason: str = ""  # why a request was refused (the state is then UNKNOWN, or the lease's own state)
+    seq: int = 0  # the request's `seq`
 
 
 class ErrorReply(msgspec.Struct, tag="error"):
@@ -115,7 +117,7 @@ def ref_of(msg: Hello | LeaseRequest | PeerInfo | LeaseReply) -> str:
     """Correlation key shared by a request and its reply."""
     if isinstance(msg, (Hello, PeerInfo)):
         return "hello"
-    return f"lease:{msg.request_id}"
+    return f"lease:{msg.request_id}:{msg.seq}"
 
 
 Request = Hello | LeaseRequest

@@ -31,10 +31,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvconnect.core import protocol as p
+from kvconnect.core import lease_client
 from kvconnect.core.config import env_setting
 from kvconnect.core.errors import KVConnectError
-from kvconnect.core.handshake import request as side_request
 from kvconnect.core.params import parse_kv_transfer_params
 from kvconnect.serving.openai_api import error_body
 
@@ -175,21 +174,22 @@ class Proxy:
         return Response(status_code=499)
 
     async def _release(self, request_id: str, params: dict[str, Any] | None, reason: str) -> None:
-        """Free a lease nobody will read (best effort, off the event loop)."""
+        """Free a lease nobody will read, on every rank of the prefill's TP group, as a non-reader (so a decode
+        reader's pin on it stays: its confirmation decides). Best effort, off the event loop."""
         try:
             kv = parse_kv_transfer_params(params)
-            if kv is None or not (kv.remote_host and kv.remote_port and kv.remote_request_id):
-                return
-            msg = p.LeaseRequest(p.PROTOCOL_VERSION, "proxy", kv.remote_request_id, p.LeaseAction.RELEASE)
-            reply = await asyncio.to_thread(side_request, zmq.Context.instance(), kv.remote_host,
-                                            kv.remote_port, msg, 2.0, self._secret)
-            state = reply.state.value if isinstance(reply, p.LeaseReply) else "?"
-            self.metrics.releases.labels(reason, state).inc()
-            log.info("request %s: prefill lease %s released (%s): now %s", request_id, kv.remote_request_id,
-                     reason, state)
         except KVConnectError as e:
             self.metrics.releases.labels(reason, "error").inc()
             log.warning("request %s: could not release its prefill lease: %s", request_id, e)
+            return
+        if kv is None or not lease_client.release_targets(kv):
+            return
+        answers = await asyncio.to_thread(lease_client.release_everywhere, zmq.Context.instance(), kv, "proxy",
+                                          self._secret, 2.0)
+        for rank, state in sorted(answers.items()):
+            self.metrics.releases.labels(reason, state if not state.startswith("error") else "error").inc()
+            log.info("request %s: prefill lease %s rank %d released (%s): now %s", request_id, kv.remote_request_id,
+                     rank, reason, state)
 
     def _count_failure(self, request_id: str, leg: str, url: str, error: object) -> str:
         reason = type(error).__name__ if isinstance(error, Exception) else "bad_answer"
