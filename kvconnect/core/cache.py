@@ -15,7 +15,7 @@ import torch
 from kvconnect.core.errors import LayoutError
 from kvconnect.core.layout import CacheSpec, LayoutKind
 
-TORCH_DTYPES = {
+TORCH_DTYPES = {  # (uint8 is also how an engine's opaque pages are registered)
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
@@ -37,7 +37,7 @@ class KVCache:
         dev = torch.device(device if device is not None else spec.device)
         if dev.type != spec.device:
             raise LayoutError(f"spec says device {spec.device!r} but allocation asked for {dev}")
-        dtype = TORCH_DTYPES[spec.dtype]
+        dtype = TORCH_DTYPES[spec.torch_dtype_name]
         regions = tuple(
             torch.zeros(spec.region_shape(), dtype=dtype, device=dev) for _ in range(spec.num_regions)
         )
@@ -59,8 +59,8 @@ class KVCache:
             where = f"cache tensor {i}"
             if tuple(t.shape) != want_shape:
                 raise LayoutError(f"{where}: shape {tuple(t.shape)} != {want_shape} for {spec.kind.value}")
-            if t.dtype != TORCH_DTYPES[spec.dtype]:
-                raise LayoutError(f"{where}: dtype {t.dtype} != {spec.dtype}")
+            if t.dtype != TORCH_DTYPES[spec.torch_dtype_name]:
+                raise LayoutError(f"{where}: dtype {t.dtype} != {spec.torch_dtype_name}")
             if t.device.type != spec.device:
                 raise LayoutError(f"{where}: device {t.device} != {spec.device}")
             if tuple(t.stride()) != want_strides:
@@ -80,7 +80,10 @@ class KVCache:
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """FlashAttention paged views of one layer: K and V, each (num_blocks, block_size, H, D).
 
-        For an HND cache these are strided views (tokens and heads swapped back), never copies."""
+        For an HND cache these are strided views (tokens and heads swapped back), never copies. An engine's
+        opaque pages have none: LayoutError."""
+        if self.spec.page:
+            raise LayoutError(f"{self.spec.page} pages are the engine's format: kvconnect has no K/V views of them")
         kind = self.spec.kind
         if kind is LayoutKind.BLOCKS_FIRST:
             t = self.regions[layer]
@@ -96,7 +99,10 @@ class KVCache:
         return k, v
 
     def block_bytes(self, block_id: int) -> bytes:
-        """Every byte of one block (all layers, K then V), in a layout-independent order."""
+        """Every byte of one block (all layers, K then V), in a layout-independent order (an engine's pages:
+        each layer's page as it lies)."""
+        if self.spec.page:
+            return b"".join(t[block_id].cpu().numpy().tobytes() for t in self.regions)
         parts = []
         for layer in range(self.spec.num_layers):
             k, v = self.kv(layer)

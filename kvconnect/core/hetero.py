@@ -172,6 +172,28 @@ def chunked_pair(local: CacheSpec, remote: CacheSpec, heads: tuple[int, int]) ->
                     _chunk_table(remote, g, r_off, chunk), seg_tokens=g, chunks=int(l_off.size))
 
 
+def _head_runs(spec: CacheSpec, heads: tuple[int, int]) -> UnitTable:
+    """Per layer, the run of `heads` inside an engine page whose outer dimension is the head."""
+    layer = unit_table(spec, Granularity.LAYER)
+    offset = layer.offset_bytes + (heads[0] - spec.head_range()[0]) * spec.head_page_bytes
+    return UnitTable(Granularity.CHUNK, layer.region.copy(), offset, (heads[1] - heads[0]) * spec.head_page_bytes,
+                     spec.block_stride_bytes)
+
+
+def head_run_pair(local: CacheSpec, remote: CacheSpec, heads: tuple[int, int]) -> PairPlan:
+    """Engine pages (`CacheSpec.page`) of different TP sizes: each block's run of `heads` moves as one piece per
+    layer. The pages' interior is the engine's, so only whole heads of equal pages can move: the block sizes
+    must match and heads must be the pages' outer dimension (token_layout HND) on both sides."""
+    mismatch = {name: (getattr(local, name), getattr(remote, name)) for name in ("block_size", "token_layout")
+                if getattr(local, name) != getattr(remote, name)}
+    if mismatch or local.token_layout != "HND":
+        raise LayoutMismatchError(mismatch or {"token_layout": (local.token_layout, remote.token_layout)},
+                                  f"{local.page} pages can only exchange whole heads, with heads outermost in the "
+                                  "page and the same block size on both sides")
+    return PairPlan(local, remote, Granularity.CHUNK, _head_runs(local, heads), _head_runs(remote, heads),
+                    seg_tokens=local.block_size, chunks=1)
+
+
 def staging_spec(remote: CacheSpec, num_blocks: int, device: str) -> CacheSpec:
     """A cache shaped like the remote one (so the read is block for block) with `num_blocks` blocks."""
     return msgspec.structs.replace(remote, num_blocks=num_blocks, device=device)
@@ -232,6 +254,8 @@ def plan_source(local: CacheSpec, remote: CacheSpec, source: Source, path: str =
     if same_block_shape(local, remote):
         return SourcePlan(source, Path.BLOCK, PairPlan.build(local, remote), "same blocks")
     why = _why(local, remote, source.heads)
+    if local.page:
+        return SourcePlan(source, Path.DIRECT, head_run_pair(local, remote, source.heads), why + " (engine pages)")
     direct = chunked_pair(local, remote, source.heads)
     if path == "direct":
         return SourcePlan(source, Path.DIRECT, direct, why + " (forced)")

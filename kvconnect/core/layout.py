@@ -61,7 +61,7 @@ TOKEN_LAYOUTS = ("NHD", "HND")
 
 # Fields two peers must agree on, in the order a mismatch is reported (TP, block size and token layout
 # may differ: hetero.py plans those pairs).
-_MUST_MATCH = ("dtype", "num_layers", "head_dim", "model_kv_heads")
+_MUST_MATCH = ("dtype", "num_layers", "head_dim", "model_kv_heads", "page")
 
 
 def rank_heads(model_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
@@ -100,6 +100,10 @@ class CacheSpec(msgspec.Struct, frozen=True):
     tp_rank: int = 0
     token_layout: str = "NHD"  # inside one K or V block: NHD (block_size, H, D) or HND (H, block_size, D)
     total_kv_heads: int = 0  # the model's KV heads; 0 means num_kv_heads * tp_size (no replication)
+    # "" = kvconnect's own blocks (K and V halves, `token_layout` inside each). Otherwise an engine's page
+    # format (e.g. "vllm:cpu-vec"): one layer's block is an opaque page, moved whole or, when heads are its
+    # outer dimension (token_layout HND), as a run of heads; its regions are (num_blocks, bytes) uint8 views.
+    page: str = ""
 
     def __post_init__(self) -> None:
         problems = []
@@ -115,6 +119,8 @@ class CacheSpec(msgspec.Struct, frozen=True):
             problems.append(f"tp_rank must lie in [0, tp_size), got {self.tp_rank!r}")
         if self.token_layout not in TOKEN_LAYOUTS:
             problems.append(f"token_layout {self.token_layout!r} is not one of {TOKEN_LAYOUTS}")
+        if self.page and self.kind is LayoutKind.KV_FIRST:
+            problems.append("an engine page format needs a blocks_first or cross_layer kind (K and V share a page)")
         if type(self.total_kv_heads) is not int or self.total_kv_heads < 0:
             problems.append(f"total_kv_heads must be a non-negative integer, got {self.total_kv_heads!r}")
         elif not problems:
@@ -187,11 +193,23 @@ class CacheSpec(msgspec.Struct, frozen=True):
         }[self.kind]
 
     @property
+    def head_page_bytes(self) -> int:
+        """One head's share of one layer's block: the unit of a head run inside an HND page."""
+        return self.layer_block_bytes // self.num_kv_heads
+
+    @property
+    def torch_dtype_name(self) -> str:
+        """The element type of the registered tensors (bytes for an engine's opaque pages)."""
+        return "uint8" if self.page else self.dtype
+
+    @property
     def natural_granularity(self) -> Granularity:
         return NATURAL_GRANULARITY[self.kind]
 
     def region_shape(self) -> tuple[int, ...]:
-        """Shape of one registered tensor."""
+        """Shape of one registered tensor (an engine's pages: (num_blocks, bytes) of uint8)."""
+        if self.page:
+            return (self.num_blocks, self.region_bytes // self.num_blocks)
         tail = (self.block_size, self.num_kv_heads, self.head_dim)
         if self.token_layout == "HND":
             tail = (self.num_kv_heads, self.block_size, self.head_dim)
@@ -233,6 +251,8 @@ def unit_table(spec: CacheSpec, granularity: Granularity) -> UnitTable:
     """The unit table of `spec` at `granularity`; unit u means the same (layer, K/V) on every layout."""
     if granularity is Granularity.CHUNK:
         raise LayoutError("CHUNK unit tables depend on the pair: build them with hetero.chunk_tables")
+    if granularity is Granularity.HALF and spec.page:
+        raise LayoutError(f"{spec.page} pages hold K and V together: they cannot be split into halves")
     if granularity < spec.natural_granularity:
         raise LayoutError(
             f"{spec.kind.value} is not contiguous at {granularity.name} granularity "
@@ -266,6 +286,7 @@ def pair_granularity(local: CacheSpec, remote: CacheSpec) -> Granularity:
     return max(local.natural_granularity, remote.natural_granularity)
 
 
+
 def check_compatible(local: CacheSpec, remote: CacheSpec) -> None:
     """Raise LayoutMismatchError naming every field that makes the two caches hold different models."""
     mismatched = {
@@ -281,4 +302,6 @@ def same_block_shape(local: CacheSpec, remote: CacheSpec) -> bool:
     """True when a block means the same bytes on both sides: same heads, block size and token order."""
     if local.head_range() != remote.head_range() or local.block_size != remote.block_size:
         return False
+    if local.page or remote.page:
+        return local.page == remote.page and local.token_layout == remote.token_layout
     return local.token_layout == remote.token_layout or local.num_kv_heads == 1 or local.block_size == 1

@@ -63,9 +63,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--json", action="store_true", help="print a machine-readable summary instead")
+    p.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
+                   help="builtin: kvconnect's demo engine; vllm: vLLM servers loading kvconnect's connector")
+    p.add_argument("--model", default="", help="--engine vllm: a local Hugging Face checkpoint directory "
+                   "(default: a tiny random Llama generated on the spot)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from kvconnect.serving import demo_vllm
+
+        return demo_vllm.run(args)
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

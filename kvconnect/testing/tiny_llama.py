@@ -1,0 +1,92 @@
+"""A tiny Llama checkpoint made on the spot (nothing downloaded): random weights from a seed and a
+byte-level BPE tokenizer trained on kvconnect's own sources, saved as a Hugging Face model directory
+any engine can load (`vllm serve DIR`, `transformers.AutoModelForCausalLM.from_pretrained(DIR)`).
+
+Greedy decoding of such a model is noise, but deterministic: a disaggregated run that differs from an
+aggregated one token for token has moved the wrong KV. Needs `transformers` and `tokenizers` (the
+`vllm` extra); imported only when called.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+GEOMETRIES = {
+    # name: the test default (GQA, small) and a realistic KV geometry for benchmarks (8 KV heads x 128)
+    "tiny": (256, 8, 4, 4, 512),  # hidden, heads, kv heads, layers, intermediate -> head_dim 32
+    "kv8x128": (1024, 8, 8, 4, 1024),  # head_dim 128: one 32-token block is 128 KiB per layer in bf16
+}
+MARKER = "kvconnect-tiny-llama.json"
+
+
+@dataclass(frozen=True)
+class TinyLlama:
+    hidden: int
+    heads: int
+    kv_heads: int
+    layers: int
+    intermediate: int
+    vocab: int = 2048
+    max_positions: int = 8192
+    seed: int = 0
+
+    @classmethod
+    def named(cls, name: str) -> TinyLlama:
+        if name not in GEOMETRIES:
+            raise ValueError(f"unknown tiny model {name!r}; known: {sorted(GEOMETRIES)}")
+        return cls(*GEOMETRIES[name])
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def _corpus() -> list[str]:
+    root = Path(__file__).resolve().parents[1]
+    return [p.read_text(errors="ignore") for p in sorted(root.rglob("*.py"))]
+
+
+def build(directory: str | Path, model: TinyLlama) -> Path:
+    """Write the checkpoint into `directory` (reused when it already holds this exact model)."""
+    out = Path(directory)
+    marker = out / MARKER
+    if marker.exists() and json.loads(marker.read_text()) == asdict(model):
+        return out
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<s>", "</s>", "<unk>", "<pad>"]
+    tok.train_from_iterator(_corpus(), trainer=trainers.BpeTrainer(
+        vocab_size=model.vocab, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                     pad_token="<pad>")
+    # a chat template, so /v1/chat/completions works (plain, deterministic)
+    hf_tok.chat_template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
+                            "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    torch.manual_seed(model.seed)
+    cfg = LlamaConfig(vocab_size=len(hf_tok), hidden_size=model.hidden, intermediate_size=model.intermediate,
+                      num_hidden_layers=model.layers, num_attention_heads=model.heads,
+                      num_key_value_heads=model.kv_heads, head_dim=model.head_dim,
+                      max_position_embeddings=model.max_positions, bos_token_id=hf_tok.bos_token_id,
+                      eos_token_id=hf_tok.eos_token_id, pad_token_id=hf_tok.pad_token_id, tie_word_embeddings=False)
+    net: Any = LlamaForCausalLM(cfg)
+    net.to(torch.bfloat16).save_pretrained(out)
+    hf_tok.save_pretrained(out)
+    marker.write_text(json.dumps(asdict(model)))
+    return out
+
+
+def prompt_of(tokens: int, seed: int) -> str:
+    """Text of roughly `tokens` tokens under the tiny tokenizer (kvconnect's own sources, from a seeded
+    offset): varied, deterministic prompts of a wanted length."""
+    text = "\n".join(_corpus())
+    start = (seed * 7919) % max(len(text) - 8 * tokens - 1, 1)
+    return text[start:start + max(int(tokens * 2.6), 1)]  # (~2.6 characters per token for this tokenizer)

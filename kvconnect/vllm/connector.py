@@ -1,0 +1,155 @@
+"""`KVConnectConnector`: kvconnect behind vLLM's KV-connector interface (`KVConnectorBase_V1`).
+
+Loaded by name: `--kv-transfer-config '{"kv_connector": "KVConnectConnector", "kv_connector_module_path":
+"kvconnect.vllm", "kv_role": "kv_producer" | "kv_consumer" | "kv_both", "kv_connector_extra_config":
+{...}}'` (keys: `settings.py`). vLLM builds one instance in the scheduler process and one per worker;
+each delegates to its half (`scheduler.py`, `worker.py`). Hooks left at the base class's no-op, and why:
+
+- `start_load_kv`, `wait_for_layer_load`: loads are asynchronous; a request waits in vLLM's
+  WAITING_FOR_REMOTE_KVS until its pull is usable, so no layer ever waits on one. Pulls start in
+  `bind_connector_metadata`, before the step's forward, rather than after it.
+- `save_kv_layer`, `wait_for_save`: nothing is pushed. The prefill's KV stays in vLLM's paged cache,
+  leased, and the decode reads it with one NIXL READ.
+- HMA (`SupportsHMA`): not claimed, so vLLM turns its hybrid KV cache manager off (one KV cache group).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from kvconnect.vllm.metadata import StepOrders
+from kvconnect.vllm.scheduler import SchedulerSide
+from kvconnect.vllm.settings import rank_config, read_settings
+from kvconnect.vllm.stats import KVConnectPromMetrics, KVConnectStats
+from kvconnect.vllm.worker import WorkerSide
+
+log = logging.getLogger(__name__)
+
+
+def _page_format(vllm_config: Any, dtype: torch.dtype, head_size: int) -> str:
+    """Names what one page holds inside, so that only peers with the same format exchange pages (the CPU
+    attention backend lays a page out per instruction set)."""
+    device = vllm_config.device_config.device_type
+    if device != "cpu":
+        return f"vllm:{device}"
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(dtype, vllm_config.cache_config.block_size, head_size)
+    except Exception as e:  # a vLLM without it: still safe, only two "unknown" peers then pair
+        log.warning("kvconnect: cannot tell the CPU attention page format (%s)", e)
+        isa = "unknown"
+    return f"vllm:cpu-{isa}"
+
+
+class KVConnectConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._settings = read_settings(vllm_config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role is KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self._settings)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+            model = vllm_config.model_config
+            self._worker = WorkerSide(rank_config(self._settings, rank), rank, model.get_total_num_kv_heads())
+            self._model = model
+
+    # --- worker side -------------------------------------------------------------------------------
+
+    def _w(self) -> WorkerSide:
+        assert self._worker is not None, "a worker hook was called on the scheduler's connector"
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        first = next(iter(kv_caches.values()))
+        page = _page_format(self._vllm_config, first.dtype, self._model.get_head_size())
+        num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else first.shape[0]
+        self._w().register(kv_caches, num_blocks, self._settings.block_size, self._settings.tp_size, page)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, StepOrders):
+            self._w().on_orders(connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, _ = self._w().results(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._w().results(finished_req_ids)
+        return KVConnectorTransferResults(sending, recving, failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._w().load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectStats | None:
+        return self._worker.stats() if self._worker is not None else None
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self._w().hello()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    # --- scheduler side ----------------------------------------------------------------------------
+
+    def _s(self) -> SchedulerSide:
+        assert self._scheduler is not None, "a scheduler hook was called on a worker's connector"
+        return self._scheduler
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._s().matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._s().allocated(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._s().step_orders(int(getattr(scheduler_output, "total_num_scheduled_tokens", 1)))
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._s().finished(request, block_ids)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[Any, KVConnectorHandshakeMetadata]) -> None:
+        self._s().workers_said(metadata)
+
+    # --- any process -------------------------------------------------------------------------------
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return None  # any layout whose pages are contiguous (layout.py) works; vLLM's choice stands
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectStats | None:
+        return KVConnectStats(data=dict(data)) if data is not None else KVConnectStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectPromMetrics:
+        return KVConnectPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

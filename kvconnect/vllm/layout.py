@@ -1,0 +1,113 @@
+"""vLLM's KV cache tensors as a kvconnect cache: described from their strides, never from a layout name.
+
+vLLM (0.32) hands `register_kv_caches` one view per attention layer, logically `[B, H, N, C]` (blocks,
+KV heads, tokens per block, content), each a strided view into an allocation that may be shared by all
+layers; `C` packs a head's K and V for one token (on the CPU the page of one (block, head) holds K
+transposed, then V). What kvconnect needs is where each block's bytes lie, so the views are read as:
+
+- a block's *page* in one layer, `[H, N, C]`, must be one contiguous run (layouts LBHNC, LBNHC, BLHNC,
+  BLNHC); it is moved whole, or, when heads are its outer dimension (`H` before `N`), as a run of heads
+  (tensor-parallel pairs);
+- blocks one page apart in each layer: one region per layer (kvconnect's `blocks_first`, one descriptor
+  per block per layer);
+- or blocks `L` pages apart with layer `l`'s page at `l` pages into the block (block-outermost): one
+  region for the whole cache (`cross_layer`, one descriptor per block for every layer).
+
+Anything else (pages split by another dimension, padded pages, layers that are not evenly spaced,
+mixed dtypes or shapes) is refused with a `LayoutError` saying which and why. The page's interior is
+the engine's business: `CacheSpec.page` names it, and two peers exchange pages only when their names
+match.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from kvconnect.core.cache import TORCH_DTYPES, KVCache
+from kvconnect.core.errors import LayoutError
+from kvconnect.core.layout import CacheSpec, LayoutKind
+
+_DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class Described:
+    cache: KVCache
+    layer_names: tuple[str, ...]  # in layer order
+    layout: str  # what the strides say, in vLLM's terms (e.g. "LBHNC"), for logs
+
+
+def layer_order(name: str) -> tuple[int, ...]:
+    """Sort key: the numbers in a layer name ("model.layers.12.self_attn.attn" -> (12,))."""
+    return tuple(int(x) for x in re.findall(r"\d+", name))
+
+
+def describe(kv_caches: Mapping[str, torch.Tensor], *, num_blocks: int, block_size: int, tp_size: int,
+             tp_rank: int, total_kv_heads: int, page: str) -> Described:
+    """A kvconnect cache over vLLM's tensors (no copy): the spec and byte views of its regions."""
+    if not kv_caches:
+        raise LayoutError("vLLM registered no KV cache tensors")
+    names = tuple(sorted(kv_caches, key=layer_order))
+    views = [kv_caches[n] for n in names]
+    first = views[0]
+    for name, t in zip(names, views, strict=True):
+        if t.dim() != 4:
+            raise LayoutError(f"vLLM KV cache {name}: a {t.dim()}-D tensor {tuple(t.shape)}; expected [B, H, N, C] "
+                              "(vLLM 0.32 per-layer views)")
+        if (t.shape, t.dtype, t.device, t.stride()) != (first.shape, first.dtype, first.device, first.stride()):
+            raise LayoutError(f"vLLM KV cache {name}: shape/dtype/device/strides {tuple(t.shape)} {t.dtype} "
+                              f"{t.device} {t.stride()} differ from {names[0]}'s; kvconnect needs one page format")
+    if first.dtype not in _DTYPE_NAMES:
+        raise LayoutError(f"vLLM KV cache dtype {first.dtype} is not one of {sorted(TORCH_DTYPES)}")
+    nb, heads, tokens, content = first.shape
+    isz = first.element_size()
+    s_block, s_head, s_token, s_content = (s * isz for s in first.stride())
+    where = f"vLLM KV cache [B, H, N, C] = {tuple(first.shape)}, byte strides {(s_block, s_head, s_token, s_content)}"
+    if nb != num_blocks:
+        raise LayoutError(f"{where}: {nb} kernel blocks for {num_blocks} scheduler blocks (a kernel block size "
+                          f"other than the block size); kvconnect needs one kernel block per block")
+    if tokens != block_size:
+        raise LayoutError(f"{where}: {tokens} tokens per kernel block, but the block size is {block_size}")
+    if s_content != isz:
+        raise LayoutError(f"{where}: the content dimension is not contiguous")
+    if content % 2:
+        raise LayoutError(f"{where}: {content} content elements per (head, token) is not K + V of one head size "
+                          "(MLA caches are not supported)")
+    heads_outer = s_head > s_token
+    inner, outer = ((s_token, tokens), (s_head, heads)) if heads_outer else ((s_head, heads), (s_token, tokens))
+    page_bytes = heads * tokens * content * isz
+    if inner[0] != content * isz or outer[0] != inner[1] * inner[0]:
+        raise LayoutError(f"{where}: a block's [H, N, C] page is not one contiguous run (the layout splits it, e.g. "
+                          "LHBNC or BHLNC); kvconnect supports LBHNC, LBNHC, BLHNC and BLNHC")
+    bases = [int(t.data_ptr()) for t in views]
+    num_layers = len(views)
+    if s_block == page_bytes:
+        kind, order = LayoutKind.BLOCKS_FIRST, "LB"
+    elif s_block == num_layers * page_bytes and all(b == bases[0] + i * page_bytes for i, b in enumerate(bases)):
+        kind, order = LayoutKind.CROSS_LAYER, "BL"
+    else:
+        raise LayoutError(f"{where}: blocks {s_block} bytes apart with pages of {page_bytes} bytes and {num_layers} "
+                          "layers: neither one page per block per layer nor one block of every layer's page "
+                          "(padded pages are not supported)")
+    spec = CacheSpec(kind=kind, dtype=_DTYPE_NAMES[first.dtype], num_layers=num_layers, num_blocks=nb,
+                     block_size=tokens, num_kv_heads=heads, head_dim=content // 2, device=first.device.type,
+                     tp_size=tp_size, tp_rank=tp_rank, token_layout="HND" if heads_outer else "NHD",
+                     total_kv_heads=total_kv_heads, page=page)
+    shape = spec.region_shape()
+    if kind is LayoutKind.CROSS_LAYER:
+        regions = [_bytes(first, shape, s_block)]
+    else:
+        regions = [_bytes(t, shape, s_block) for t in views]
+    return Described(KVCache.from_tensors(spec, regions), names, order + ("HNC" if heads_outer else "NHC"))
+
+
+def _bytes(view: torch.Tensor, shape: tuple[int, ...], block_stride: int) -> torch.Tensor:
+    """`view`'s blocks as a (num_blocks, bytes) uint8 tensor over the same memory, starting at its first byte."""
+    raw = view.view(torch.uint8)  # (the content dimension is contiguous: this is a view)
+    out = torch.as_strided(raw, shape, (block_stride, 1), raw.storage_offset())
+    assert out.data_ptr() == view.data_ptr()
+    return out

@@ -1,0 +1,103 @@
+"""Scheduler side of the plug-in (vLLM's EngineCore process): which requests load, which lease, and the
+orders each step sends to the workers.
+
+Prefill (`do_remote_decode`): when a request finishes by length or stop, `request_finished` keeps its
+blocks (vLLM frees them once every worker reports the request in `finished_sending`, i.e. once its lease
+ended), orders the workers to lease them, and returns the vLLM-named `kv_transfer_params`. The workers
+grant the lease as the next step's orders are bound, before that step's forward.
+
+Decode (`do_remote_prefill`): the prompt's KV is loaded asynchronously (the request waits in
+WAITING_FOR_REMOTE_KVS while vLLM schedules others), into the blocks the local prefix cache did not
+already fill; one pull order per request. A request aborted before it was scheduled, or one whose whole
+prompt the local prefix cache holds, gets its remote lease released instead. Invalid params are not
+judged here (the scheduler must not raise): the worker fails the load naming the field, and vLLM's own
+failure policy applies.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.v1.request import RequestStatus
+
+from kvconnect.vllm.metadata import LeaseOrder, PullOrder, StepOrders, WorkerHello
+from kvconnect.vllm.settings import VllmSettings
+
+log = logging.getLogger(__name__)
+
+_LEASED_ENDS = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+class SchedulerSide:
+    def __init__(self, settings: VllmSettings) -> None:
+        self._settings = settings
+        self._orders = StepOrders()
+        self._hello: dict[int, WorkerHello] = {}  # by TP rank
+
+    def workers_said(self, hello: dict[Any, Any]) -> None:
+        """The workers' start-up hellos, keyed by (pp_rank, tp_rank) or tp_rank."""
+        for value in hello.values():
+            if isinstance(value, WorkerHello):
+                self._hello[value.tp_rank] = value
+        ports = {rank: h.side_channel_port for rank, h in sorted(self._hello.items())}
+        log.info("kvconnect: workers' side channels %s", ports)
+
+    # --- decode ------------------------------------------------------------------------------------
+
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens to load from the remote prefill (asynchronously), beyond the local prefix-cache hit."""
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        count = request.num_prompt_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        order = dict(params)
+        params["do_remote_prefill"] = False  # one load per request (this is called again once it is scheduled)
+        if num_external_tokens > 0:
+            local = [int(b) for b in blocks.get_unhashed_block_ids()]
+            self._orders.pulls.append(PullOrder(request.request_id, order, local, request.num_prompt_tokens,
+                                                request.num_prompt_tokens - num_external_tokens))
+        else:  # the local prefix cache holds the whole prompt: nothing to read
+            self._orders.releases.append(order)
+
+    # --- both --------------------------------------------------------------------------------------
+
+    def step_orders(self, num_scheduled_tokens: int) -> StepOrders:
+        orders, self._orders = self._orders, StepOrders()
+        orders.idle = num_scheduled_tokens == 0 and not (orders.leases or orders.pulls or orders.releases)
+        return orders
+
+    def finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):  # aborted before it was scheduled: free the prefill's blocks now
+            self._orders.releases.append(dict(params))
+            params["do_remote_prefill"] = False
+            return False, None
+        if not params.get("do_remote_decode") or request.status not in _LEASED_ENDS or not block_ids:
+            return False, None
+        hello = self._hello.get(0)
+        config = self._settings.config
+        ids = [int(b) for b in block_ids]
+        num_tokens = int(request.num_computed_tokens)
+        self._orders.leases.append(LeaseOrder(request.request_id, ids, num_tokens))
+        port = hello.side_channel_port if hello is not None else config.side_channel_port
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": config.engine_id,
+            "remote_block_ids": ids,
+            "remote_host": config.advertise_host,
+            "remote_port": port,
+            "remote_request_id": request.request_id,
+            "tp_size": self._settings.tp_size,
+            "remote_incarnation_id": hello.incarnation_id if hello is not None else None,
+            "remote_num_tokens": num_tokens,
+        }

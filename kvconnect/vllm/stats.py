@@ -1,0 +1,122 @@
+"""The plug-in's numbers in vLLM: connector stats (the "KV Transfer metrics" log line) and Prometheus
+metrics on vLLM's own `/metrics` (`vllm:kvconnect_*`).
+
+Workers record one observation per finished pull (decode side) and per ended lease (prefill side); vLLM
+ships the stats with each step's output, aggregates them over the workers and hands them to the
+front-end process, which logs `reduce()` and feeds `KVConnectPromMetrics.observe`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+SERIES = ("pull_s", "xfer_s", "post_s", "bytes", "num_descs")  # one value per successful pull
+COUNTS = ("failed", "leases_ended")  # {label: count}
+
+
+def _empty() -> dict[str, Any]:
+    return {**{k: [] for k in SERIES}, **{k: {} for k in COUNTS}}
+
+
+@dataclass
+class KVConnectStats(KVConnectorStats):
+    data: dict[str, Any] = field(default_factory=_empty)
+
+    def __post_init__(self) -> None:
+        for key, empty in _empty().items():
+            self.data.setdefault(key, empty)
+
+    def record_pull(self, stats: Any) -> None:
+        """A successful pull (`kvconnect.PullStats`)."""
+        for key, value in (("pull_s", stats.total_s), ("xfer_s", stats.post_s + stats.transfer_s),
+                           ("post_s", stats.post_s), ("bytes", stats.bytes), ("num_descs", stats.num_descs_merged)):
+            self.data[key].append(value)
+
+    def count(self, what: str, label: str) -> None:
+        bucket = self.data[what]
+        bucket[label] = bucket.get(label, 0) + 1
+
+    def reset(self) -> None:
+        self.data = _empty()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectStats:
+        for key in SERIES:
+            self.data[key].extend(other.data.get(key, []))
+        for key in COUNTS:
+            for label, n in other.data.get(key, {}).items():
+                self.data[key][label] = self.data[key].get(label, 0) + n
+        return self
+
+    def is_empty(self) -> bool:
+        return not self.data["pull_s"] and not any(self.data[k] for k in COUNTS)
+
+    def reduce(self) -> dict[str, int | float]:
+        pulls, xfer, size = self.data["pull_s"], self.data["xfer_s"], self.data["bytes"]
+        n = len(pulls)
+        out: dict[str, int | float] = {"Num successful pulls": n}
+        if n:
+            out["Avg pull time (ms)"] = round(1e3 * sum(pulls) / n, 3)
+            out["Avg xfer time (ms)"] = round(1e3 * sum(xfer) / n, 3)
+            out["Avg MB per pull"] = round(sum(size) / n / 1e6, 3)
+            out["Throughput (MB/s)"] = round(sum(size) / max(sum(xfer), 1e-12) / 1e6, 1)
+            out["Avg descriptors"] = round(sum(self.data["num_descs"]) / n, 1)
+        out["Num failed pulls"] = sum(self.data["failed"].values())
+        for state, count in sorted(self.data["leases_ended"].items()):
+            out[f"Leases {state}"] = count
+        return out
+
+
+_TIME_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+
+
+class KVConnectPromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config: Any, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        hist: Any = self._histogram_cls
+        counter: Any = self._counter_cls
+
+        def per_engine(metric: Any) -> dict[int, Any]:
+            return create_metric_per_engine(metric, per_engine_labelvalues)
+
+        self.series = {
+            "pull_s": per_engine(hist(name="vllm:kvconnect_pull_time_seconds", buckets=_TIME_BUCKETS,
+                                      documentation="kvconnect: pull requested -> blocks usable (lease confirmed)",
+                                      labelnames=labelnames)),
+            "xfer_s": per_engine(hist(name="vllm:kvconnect_xfer_time_seconds", buckets=_TIME_BUCKETS,
+                                      documentation="kvconnect: posting + transfer of one pull",
+                                      labelnames=labelnames)),
+            "post_s": per_engine(hist(name="vllm:kvconnect_post_time_seconds", buckets=_TIME_BUCKETS,
+                                      documentation="kvconnect: planning + posting of one pull",
+                                      labelnames=labelnames)),
+            "bytes": per_engine(hist(name="vllm:kvconnect_bytes_transferred", documentation="kvconnect: bytes per pull",
+                                     buckets=[float(2**k) for k in range(12, 36, 2)], labelnames=labelnames)),
+            "num_descs": per_engine(hist(name="vllm:kvconnect_num_descriptors",
+                                         documentation="kvconnect: descriptors per pull after merging",
+                                         buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384, 65536],
+                                         labelnames=labelnames)),
+        }
+        self.failed = counter(name="vllm:kvconnect_num_failed_pulls", labelnames=[*labelnames, "reason"],
+                              documentation="kvconnect: failed pulls by error class (vLLM's failure policy applies)")
+        self.leases = counter(name="vllm:kvconnect_leases_ended", labelnames=[*labelnames, "outcome"],
+                              documentation="kvconnect: prefill leases ended by outcome")
+        self._labels = per_engine_labelvalues
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, metric in self.series.items():
+            for value in transfer_stats_data.get(key, []):
+                metric[engine_idx].observe(value)
+        labels = self._labels[engine_idx]
+        for reason, n in transfer_stats_data.get("failed", {}).items():
+            self.failed.labels(*labels, reason).inc(n)
+        for outcome, n in transfer_stats_data.get("leases_ended", {}).items():
+            self.leases.labels(*labels, outcome).inc(n)

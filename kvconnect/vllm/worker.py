@@ -1,0 +1,203 @@
+"""Worker side of the plug-in (each vLLM worker process): one `KVConnector` over the KV tensors vLLM
+allocated, driven by the scheduler's step orders.
+
+- `register`: the tensors become a kvconnect cache (`layout.describe`, by their strides) registered with
+  NIXL; this rank's side channel listens on the group's base port + TP rank.
+- `on_orders` (bound before each step's forward): grant leases, release leases nobody will read, start
+  pulls. A pull reads only the blocks the local prefix cache missed: the tail of the prefill's block list.
+- `results` (after each step): on a step with nothing to compute (vLLM keeps stepping while a transfer or
+  a lease is pending) it first waits up to `IDLE_WAIT_S` for one to end, so a waiting engine polls
+  instead of spinning two processes at 100 %; then it reports pulls that are usable, or failed and
+  settled (their blocks are reported as load errors so vLLM's failure policy applies; a failed pull
+  whose READ may still land is held back until it cannot, so vLLM never reuses or recomputes into blocks
+  a late write could hit), and leases that ended (their requests' blocks may be freed). A request vLLM
+  finished while its pull ran (abort) has the pull cancelled; it is reported once its blocks are safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import torch
+
+from kvconnect.core.config import ConnectorConfig
+from kvconnect.core.connector import KVConnector
+from kvconnect.core.errors import InvalidRequestError, KVConnectError
+from kvconnect.core.lease_client import release_after_failure
+from kvconnect.core.params import KVTransferParams, parse_kv_transfer_params
+from kvconnect.core.pull import PullHandle, PullStats
+from kvconnect.vllm.layout import describe
+from kvconnect.vllm.metadata import PullOrder, StepOrders, WorkerHello
+from kvconnect.vllm.stats import KVConnectStats
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.005  # an idle step's wait for a lease or pull to end (it returns as soon as one does)
+
+
+@dataclass
+class _Load:
+    order: PullOrder
+    params: KVTransferParams | None
+    handle: PullHandle | None  # None: refused before it started (error set)
+    error: KVConnectError | None = None
+
+
+class WorkerSide:
+    def __init__(self, config: ConnectorConfig, tp_rank: int, total_kv_heads: int) -> None:
+        self._config = config
+        self._tp_rank = tp_rank
+        self._total_kv_heads = total_kv_heads
+        self.connector: KVConnector | None = None
+        self._loads: dict[str, _Load] = {}
+        self._load_errors: set[int] = set()
+        self._lock = threading.Lock()  # the lease-end callback runs on the connector's loop thread
+        self._ended: set[str] = set()  # leases that ended, not yet reported
+        self._leased: set[str] = set()  # requests this rank leased blocks for, until reported
+        self._seen_finished: set[str] = set()  # ... of which vLLM already told us they finished
+        self._stats = KVConnectStats()
+        self._changed = threading.Event()  # set when a lease ends or a pull finishes
+        self._idle = False
+
+    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size: int, tp_size: int,
+                 page: str) -> None:
+        described = describe(kv_caches, num_blocks=num_blocks, block_size=block_size, tp_size=tp_size,
+                             tp_rank=self._tp_rank, total_kv_heads=self._total_kv_heads, page=page)
+        self.connector = KVConnector(described.cache, self._config, on_pull_done=self._pull_done,
+                                     on_lease_ended=self._lease_ended)
+        spec = described.cache.spec
+        log.info("kvconnect: rank %d registered %d layers (%s, %s, %d blocks of %d tokens, %.1f MiB); side channel "
+                 "port %d", self._tp_rank, spec.num_layers, described.layout, spec.kind.value, spec.num_blocks,
+                 spec.block_size, spec.cache_bytes / 2**20, self.connector.side_channel_port)
+
+    def hello(self) -> WorkerHello:
+        conn = self._require()
+        return WorkerHello(self._tp_rank, conn.side_channel_port, conn.incarnation_id)
+
+    def _require(self) -> KVConnector:
+        if self.connector is None:
+            raise KVConnectError("kvconnect: the KV caches were not registered")
+        return self.connector
+
+    # --- orders ------------------------------------------------------------------------------------
+
+    def on_orders(self, orders: StepOrders) -> None:
+        conn = self._require()
+        self._idle = orders.idle
+        for lease in orders.leases:
+            self._leased.add(lease.request_id)
+            try:
+                conn.lease(lease.request_id, lease.block_ids, lease.num_tokens)
+            except KVConnectError as e:  # nobody can read it: give the blocks back at once
+                log.error("kvconnect: request %s: cannot lease its blocks: %s", lease.request_id, e)
+                self._lease_ended(lease.request_id)
+        for raw in orders.releases:
+            self._release(raw)
+        for order in orders.pulls:
+            self._start(order)
+
+    def _release(self, raw: dict[str, Any]) -> None:
+        try:
+            params = parse_kv_transfer_params(raw)
+        except InvalidRequestError:
+            return  # names no lease we could release
+        if params is not None:
+            self._require().release_remote(params)
+
+    def _start(self, order: PullOrder) -> None:
+        load = _Load(order, None, None)
+        self._loads[order.request_id] = load
+        try:
+            load.params = params = parse_kv_transfer_params(order.params)
+            assert params is not None and params.remote_block_ids is not None
+            if params.remote_num_tokens is not None and params.remote_num_tokens != order.num_prompt_tokens:
+                raise InvalidRequestError("kv_transfer_params.remote_num_tokens",
+                                          f"the remote blocks hold {params.remote_num_tokens} tokens, the prompt "
+                                          f"has {order.num_prompt_tokens}")
+            local, remote = order.local_block_ids, params.remote_block_ids
+            if len(local) > len(remote):
+                raise InvalidRequestError("kv_transfer_params.remote_block_ids", f"{len(remote)} remote blocks for "
+                                          f"{len(local)} blocks to load")
+            # the local prefix cache filled the first blocks: read the tail of the prefill's list
+            wanted = msgspec.structs.replace(params, remote_block_ids=remote[len(remote) - len(local):],
+                                             remote_num_tokens=None)
+            load.handle = self._require().pull(wanted, local, order.request_id)
+        except KVConnectError as e:
+            self._failed(load, e)
+
+    def _failed(self, load: _Load, error: KVConnectError) -> None:
+        if load.error is not None:
+            return
+        load.error = error
+        reason = type(error).__name__ + (f"({error.field})" if isinstance(error, InvalidRequestError) else "")
+        with self._lock:
+            self._stats.count("failed", reason)
+        log.warning("kvconnect: request %s: KV load failed (%s: %s); vLLM's kv_load_failure_policy applies",
+                    load.order.request_id, type(error).__name__, error)
+        if load.params is not None and release_after_failure(error):
+            self._require().release_remote(load.params)
+
+    # --- results -----------------------------------------------------------------------------------
+
+    def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) since the last call."""
+        if self._idle and (self._loads or self._leased) and not finished_req_ids:
+            self._changed.wait(IDLE_WAIT_S)
+        self._changed.clear()
+        self._seen_finished |= finished_req_ids & self._leased
+        recving, failed = set(), set()
+        for rid, load in list(self._loads.items()):
+            if rid in finished_req_ids and load.handle is not None and not load.handle.done():
+                load.handle.cancel()  # vLLM finished it (abort): stop reading; report once its blocks are safe
+            if load.handle is not None and load.error is None:
+                try:
+                    if load.handle.poll() is None:
+                        continue
+                except KVConnectError as e:
+                    self._failed(load, e)
+            if load.error is not None and load.handle is not None and not load.handle.settled():
+                continue  # an abandoned READ may still write into these blocks
+            del self._loads[rid]
+            recving.add(rid)
+            if load.error is not None:
+                failed.add(rid)
+                self._load_errors.update(load.order.local_block_ids)
+        with self._lock:
+            sending = self._ended & self._seen_finished
+            self._ended -= sending
+        self._seen_finished -= sending
+        self._leased -= sending
+        return sending, recving, failed
+
+    def load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def stats(self) -> KVConnectStats | None:
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            out, self._stats = self._stats, KVConnectStats()
+        return out
+
+    def _pull_done(self, stats: PullStats, error: KVConnectError | None) -> None:  # (loop thread)
+        if error is None:
+            with self._lock:
+                self._stats.record_pull(stats)
+        self._changed.set()
+
+    def _lease_ended(self, request_id: str) -> None:  # (loop thread, or this one)
+        with self._lock:
+            self._ended.add(request_id)
+            if self.connector is not None:
+                self._stats.count("leases_ended", self.connector.lease_state(request_id).value)
+        self._changed.set()
+
+    def close(self) -> None:
+        if self.connector is not None:
+            self.connector.close()
+            self.connector = None

@@ -1,0 +1,243 @@
+"""kvconnect inside vLLM: real `vllm` OpenAI servers (CPU build) loading `kvconnect.vllm` by name, behind
+kvconnect's proxy, checked token for token against an aggregated vLLM on the same generated checkpoint.
+
+One cluster for the module: a prefill (kv_producer), two decodes (kv_consumer; one with vLLM's
+kv_load_failure_policy "fail", one "recompute") and an aggregated reference. Every test leaves it as it
+found it (a stopped server is resumed, a killed one restarted, in `finally`) and first waits until no
+request is in flight anywhere.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM plug-in tests need vllm (the `vllm` extra)")
+
+from kvconnect.testing.net import poll_until, wait_stopped  # noqa: E402
+from kvconnect.testing.tiny_llama import TinyLlama, build, prompt_of  # noqa: E402
+from kvconnect.testing.vllm_cluster import Server, VllmCluster, generate, kvconnect_config  # noqa: E402
+from tests.faultkit import open_request, scrape  # noqa: E402
+
+TTL_S = 60.0  # long: a lease that ends sooner was released or read, not expired
+PULL_TIMEOUT_S = 8.0
+LENGTHS = [1, 2, 5, 17, 31, 32, 33, 64, 100, 150, 255, 256, 257, 400, 511, 700, 1000, 1300, 1700, 2000]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmCluster]:
+    ckpt = build(tmp_path_factory.mktemp("tiny-llama"), TinyLlama.named("tiny"))
+    decode_extra = {"pull_timeout_s": PULL_TIMEOUT_S, "handshake_timeout_s": 4.0}
+    servers = [
+        Server("prefill", kvconnect_config("kv_producer", {"lease_ttl_s": TTL_S}), core=0,
+               env={"UCX_TLS": "tcp"}),  # (over TCP a stopped prefill leaves READs in flight)
+        Server("decode", kvconnect_config("kv_consumer", decode_extra, failure_policy="fail"), core=1),
+        Server("decode-r", kvconnect_config("kv_consumer", decode_extra, failure_policy="recompute"), core=1),
+        Server("aggregated", None, core=0),
+    ]
+    with VllmCluster(str(ckpt), servers, str(tmp_path_factory.mktemp("vllm-logs")),
+                     proxy_for=("prefill", ["decode"])) as c:
+        yield c
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of a metric's samples whose labels include `labels` (vLLM adds engine and model labels)."""
+    return sum(v for (n, lab), v in scrape(url).items() if n == name and set(labels.items()) <= set(lab))
+
+
+def quiet(cluster: VllmCluster) -> bool:
+    """No request running or waiting on any server, no prefill block held."""
+    for name in ("prefill", "decode", "decode-r", "aggregated"):
+        url = cluster.urls[name]
+        if metric(url, "vllm:num_requests_running") or metric(url, "vllm:num_requests_waiting"):
+            return False
+    return metric(cluster.urls["prefill"], "vllm:kv_cache_usage_perc") == 0
+
+
+@pytest.fixture
+def c(cluster: VllmCluster) -> VllmCluster:
+    poll_until(lambda: quiet(cluster), timeout_s=TTL_S + 30, what="the vLLM cluster quiet before the test")
+    return cluster
+
+
+def prefill_leg(cluster: VllmCluster, prompt: str) -> dict[str, Any]:
+    """The proxy's first leg by hand: the kv_transfer_params the prefill leased."""
+    r = generate(cluster.urls["prefill"], prompt, 1, extra={"kv_transfer_params": {"do_remote_decode": True}})
+    assert r["status"] == 200 and r["kv_transfer_params"], r
+    return r["kv_transfer_params"]  # type: ignore[no-any-return]
+
+
+def decode_leg(cluster: VllmCluster, name: str, prompt: str, params: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    return generate(cluster.urls[name], prompt, MAX_TOKENS, extra={"kv_transfer_params": params}, **kw)
+
+
+def reference(cluster: VllmCluster, prompt: str, chat: bool = False) -> list[int]:
+    r = generate(cluster.urls["aggregated"], prompt, MAX_TOKENS, chat=chat)
+    assert r["status"] == 200, r
+    return r["token_ids"]  # type: ignore[no-any-return]
+
+
+def test_disaggregated_vllm_equals_aggregated_for_every_prompt(c: VllmCluster) -> None:
+    """20 greedy prompts of 1 to ~2,000 tokens, completions and chat, streamed and not, through the proxy."""
+    pulls = metric(c.urls["decode"], "vllm:kvconnect_pull_time_seconds_count")
+    cases = [(n, i % 3 == 1, i % 4 == 3) for i, n in enumerate(LENGTHS)]  # (tokens, stream, chat)
+
+    def one(case: tuple[int, bool, bool]) -> tuple[tuple[int, bool, bool], dict[str, Any], list[int]]:
+        tokens, stream, chat = case
+        prompt = prompt_of(tokens, seed=tokens)
+        return case, generate(c.urls["proxy"], prompt, MAX_TOKENS, chat=chat, stream=stream), \
+            reference(c, prompt, chat)
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, cases))
+    for case, got, want in results:
+        assert got["status"] == 200, (case, got)
+        assert got["token_ids"] == want and len(want) == MAX_TOKENS, case
+    # the transfers show in vLLM's own /metrics, as the decode's connector reported them
+    assert metric(c.urls["decode"], "vllm:kvconnect_pull_time_seconds_count") >= pulls + len(cases)
+    assert metric(c.urls["decode"], "vllm:kvconnect_bytes_transferred_sum") > 0
+    poll_until(lambda: quiet(c), timeout_s=30, what="every prefill lease ended by its read")
+    assert metric(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome="completed") >= len(cases)
+
+
+def test_a_decode_prefix_hit_pulls_only_the_missing_blocks(c: VllmCluster) -> None:
+    prompt = prompt_of(600, seed=42)
+    want = reference(c, prompt)
+    sent = []
+    for _ in range(2):
+        before = metric(c.urls["decode"], "vllm:kvconnect_bytes_transferred_sum")
+        got = decode_leg(c, "decode", prompt, prefill_leg(c, prompt))
+        assert got["status"] == 200 and got["token_ids"] == want, got
+        sent.append(metric(c.urls["decode"], "vllm:kvconnect_bytes_transferred_sum") - before)
+    assert 0 < sent[1] < sent[0]  # the second time the decode's own prefix cache held the first blocks
+
+
+def refused_as(c: VllmCluster, prompt: str, params: dict[str, Any], field: str) -> None:
+    """The decode refuses `params` and counts the refusal under the field's name."""
+    reason = f"InvalidRequestError(kv_transfer_params.{field})"
+    before = metric(c.urls["decode"], "vllm:kvconnect_num_failed_pulls_total", reason=reason)
+    got = decode_leg(c, "decode", prompt, params)
+    assert got["status"] != 200 and got["token_ids"] is None, (field, got)
+    poll_until(lambda: metric(c.urls["decode"], "vllm:kvconnect_num_failed_pulls_total", reason=reason) == before + 1,
+               what=f"the refusal counted as {reason}")
+
+
+def test_edited_block_ids_are_refused_naming_the_field_and_both_leases_survive(c: VllmCluster) -> None:
+    """A client pointing its params at another request's blocks reads nothing it may use, and ends neither
+    lease: the prefill refuses blocks a lease does not hold, whoever names them."""
+    prompt, other_prompt = prompt_of(300, seed=7), prompt_of(300, seed=8)
+    want, other_want = reference(c, prompt), reference(c, other_prompt)  # (first: a held lease keeps vLLM busy)
+    params, other = prefill_leg(c, prompt), prefill_leg(c, other_prompt)
+    refused_as(c, prompt, {**params, "remote_block_ids": other["remote_block_ids"]}, "remote_block_ids")
+    assert decode_leg(c, "decode", prompt, params)["token_ids"] == want
+    assert decode_leg(c, "decode", other_prompt, other)["token_ids"] == other_want
+
+
+@pytest.mark.parametrize("field,value", [("remote_num_tokens", 5), ("tp_size", 3), ("remote_port", "x")])
+def test_other_edited_params_are_refused_naming_the_field(c: VllmCluster, field: str, value: Any) -> None:
+    prompt = prompt_of(200, seed=9)
+    released = metric(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome="released")
+    refused_as(c, prompt, {**prefill_leg(c, prompt), field: value}, field)
+    if field != "remote_port":  # (a refused request still names its lease: it is freed at once, not at the TTL)
+        poll_until(lambda: metric(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome="released")
+                   == released + 1, timeout_s=TTL_S / 2, what="the refused request's lease released")
+
+
+def ended(c: VllmCluster) -> dict[str, float]:
+    return {o: metric(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome=o)
+            for o in ("released", "completed", "expired")}
+
+
+def stop_group(cluster: VllmCluster, name: str, sig: int) -> None:
+    pgid = cluster.procs[name].pid
+    os.killpg(pgid, sig)
+    if sig == signal.SIGSTOP:
+        for pid in [int(p) for p in os.listdir("/proc") if p.isdigit()]:
+            try:
+                if os.getpgid(pid) == pgid:
+                    wait_stopped(pid)
+            except ProcessLookupError:
+                continue
+
+
+def test_a_decode_abort_frees_the_prefill_blocks(c: VllmCluster) -> None:
+    """The decode is pulling (the prefill stopped, so the READ hangs) when its client goes away: vLLM aborts
+    the request, the connector cancels the pull and releases the lease; the prefill frees the blocks once it
+    runs again, long before the lease's TTL, and the decode frees its own once the abandoned READ ended."""
+    prompt = prompt_of(400, seed=11)
+    decode_leg(c, "decode", prompt, prefill_leg(c, prompt))  # (a ready peer: the handshake is done)
+    params = prefill_leg(c, prompt)
+    before = ended(c)
+    stop_group(c, "prefill", signal.SIGSTOP)
+    try:
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True,
+                           "kv_transfer_params": params}).encode()
+        sock = open_request(c.urls["decode"], "/v1/completions", body, "aborted-1")
+        poll_until(lambda: metric(c.urls["decode"], "vllm:num_requests_kv_fetch_by_stage", stage="in_progress") == 1,
+                   what="the pull in flight")
+        sock.close()  # the client goes away: vLLM aborts the request
+        poll_until(lambda: metric(c.urls["decode"], "vllm:num_requests_waiting") == 0, timeout_s=PULL_TIMEOUT_S,
+                   what="the decode dropped the request")
+    finally:
+        stop_group(c, "prefill", signal.SIGCONT)
+    # released by the decode, or completed by the abandoned READ's own notification once the prefill runs
+    # again (whichever reaches it first); either way not left to the TTL
+    poll_until(lambda: ended(c)["released"] + ended(c)["completed"] == before["released"] + before["completed"] + 1,
+               timeout_s=TTL_S / 2, what="the prefill lease ended by the decode's side")
+    assert ended(c)["expired"] == before["expired"]
+    poll_until(lambda: quiet(c), timeout_s=TTL_S / 2, what="the prefill's blocks free")
+
+
+def test_a_killed_prefill_fails_the_decode_leg_or_recomputes_never_hangs(c: VllmCluster) -> None:
+    prompt = prompt_of(500, seed=13)
+    want = reference(c, prompt)
+    for name in ("decode", "decode-r"):  # both decodes hold a ready peer for this prefill
+        assert decode_leg(c, name, prompt, prefill_leg(c, prompt))["token_ids"] == want
+    a, b = prefill_leg(c, prompt), prefill_leg(c, prompt)
+    c.kill("prefill")
+    try:
+        with cf.ThreadPoolExecutor(2) as pool:
+            fa = pool.submit(decode_leg, c, "decode", prompt, a)
+            fb = pool.submit(decode_leg, c, "decode-r", prompt, b)
+            ra, rb = fa.result(), fb.result()
+        assert ra["status"] == 500 and ra["token_ids"] is None, ra  # vLLM's "fail": the request ends in error
+        assert ra["total_s"] < 3 * PULL_TIMEOUT_S  # (it ended by the pull's deadline or sooner, never hung)
+        assert rb["status"] == 200 and rb["token_ids"] == want, rb  # vLLM's "recompute": same tokens
+        failed = sum(metric(c.urls[n], "vllm:kvconnect_num_failed_pulls_total") for n in ("decode", "decode-r"))
+        assert failed >= 2
+    finally:
+        c.restart("prefill")
+    assert generate(c.urls["proxy"], prompt, MAX_TOKENS)["token_ids"] == want  # the new prefill serves again
+
+
+def test_the_plugin_refuses_a_bad_setting_naming_it(tmp_path: Path) -> None:
+    """A bad kv_connector_extra_config key stops vLLM at start-up with kvconnect's message."""
+    from vllm.config import KVTransferConfig
+
+    from kvconnect.core.errors import ConfigError
+    from kvconnect.vllm.settings import read_settings
+
+    class Cfg:  # the two parts of a VllmConfig the settings read
+        def __init__(self, extra: dict[str, Any], tp: int = 1) -> None:
+            self.kv_transfer_config = KVTransferConfig(kv_connector="KVConnectConnector", kv_role="kv_both",
+                                                       kv_connector_extra_config=extra)
+            self.parallel_config = type("P", (), {"tensor_parallel_size": tp})()
+            self.cache_config = type("C", (), {"block_size": 32})()
+
+    assert read_settings(Cfg({"lease_ttl_s": 5})).config.lease_ttl_s == 5
+    with pytest.raises(ConfigError, match="unknown key.*'lease_tll_s'"):
+        read_settings(Cfg({"lease_tll_s": 5}))
+    with pytest.raises(ConfigError, match="engine_id"):
+        read_settings(Cfg({"engine_id": "mine"}))
+    with pytest.raises(ConfigError, match="side_channel_port"):
+        read_settings(Cfg({}, tp=2))
+    with pytest.raises(ConfigError, match="lease_ttl_s"):
+        read_settings(Cfg({"lease_ttl_s": -1}))

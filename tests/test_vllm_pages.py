@@ -1,0 +1,186 @@
+"""vLLM-shaped KV caches (no vLLM needed): per-layer [B, H, N, C] views laid out by vLLM 0.32's stride
+permutations, described by their strides, planned and moved as memcpy (the oracle) and by real NIXL."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvconnect.core.cache import KVCache
+from kvconnect.core.config import connector_config
+from kvconnect.core.connector import KVConnector
+from kvconnect.core.errors import LayoutError, LayoutMismatchError
+from kvconnect.core.hetero import Path, plan_source, plan_sources
+from kvconnect.core.layout import LayoutKind
+from kvconnect.testing.prefill import PrefillProcess
+from kvconnect.vllm.layout import describe
+from tests.oracle import plan as full_plan
+
+DIMS = "LBHNC"
+PAGE = "vllm:cpu-vec"
+
+
+def vllm_views(order: str, layers: int, blocks: int, heads: int, tokens: int, head_dim: int,
+               dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """What vLLM hands `register_kv_caches`: one raw buffer, and per layer a [B, H, N, C] view whose strides
+    follow `order` (physical order of the logical dims, outermost first), C = K and V of one head."""
+    size = dict(zip(DIMS, (layers, blocks, heads, tokens, 2 * head_dim), strict=True))
+    stride: dict[str, int] = {}
+    step = 1
+    for dim in reversed(order):
+        stride[dim] = step
+        step *= size[dim]
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randn(step, generator=gen).to(dtype)
+    views = {f"model.layers.{layer}.self_attn.attn": torch.as_strided(
+        raw, [size[d] for d in "BHNC"], [stride[d] for d in "BHNC"], layer * stride["L"]) for layer in range(layers)}
+    return views, raw
+
+
+def page_of(view: torch.Tensor, block: int) -> bytes:
+    """The block's page in this layer as it lies in memory (one contiguous run from its first element)."""
+    page = view[block]
+    return ctypes.string_at(page.data_ptr(), page.numel() * page.element_size())
+
+
+def described(order: str, heads: int = 4, tp: int = 1, rank: int = 0, blocks: int = 12, seed: int = 0, **kw):
+    views, raw = vllm_views(order, 3, blocks, heads, 32, 32, seed=seed)
+    d = describe(views, num_blocks=blocks, block_size=32, tp_size=tp, tp_rank=rank, total_kv_heads=heads * tp,
+                 page=kw.get("page", PAGE))
+    return d, views, raw
+
+
+@pytest.mark.parametrize("order,kind,token_layout", [("LBHNC", LayoutKind.BLOCKS_FIRST, "HND"),
+                                                     ("LBNHC", LayoutKind.BLOCKS_FIRST, "NHD"),
+                                                     ("BLHNC", LayoutKind.CROSS_LAYER, "HND"),
+                                                     ("BLNHC", LayoutKind.CROSS_LAYER, "NHD")])
+def test_compact_layouts_are_described_from_their_strides(order: str, kind: LayoutKind, token_layout: str) -> None:
+    d, views, _ = described(order)
+    spec = d.cache.spec
+    assert (spec.kind, spec.token_layout, spec.num_layers, spec.num_kv_heads, spec.head_dim) == \
+        (kind, token_layout, 3, 4, 32)
+    assert d.layout == order and d.layer_names == tuple(sorted(views, key=lambda n: int(n.split(".")[2])))
+    assert d.cache.base_addrs()[0] == views[d.layer_names[0]].data_ptr()  # no copy: the engine's own memory
+    for block in (0, 5, 11):  # a block's bytes are each layer's page, as the engine wrote them
+        assert d.cache.block_bytes(block) == b"".join(page_of(views[n], block) for n in d.layer_names)
+    regions = [(a, a + spec.region_bytes) for a in d.cache.base_addrs()]
+    for view in views.values():  # every page lies inside a registered region
+        first, last = view[0].data_ptr(), view[-1].data_ptr() + spec.layer_block_bytes
+        assert any(lo <= first and last <= hi for lo, hi in regions)
+
+
+@pytest.mark.parametrize("order", ["LHBNC", "BHLNC"])
+def test_layouts_that_split_a_page_are_refused_naming_why(order: str) -> None:
+    with pytest.raises(LayoutError, match="not one contiguous run"):
+        described(order)
+
+
+def test_bad_tensors_are_refused_naming_what_is_wrong() -> None:
+    views, _ = vllm_views("LBHNC", 2, 8, 4, 32, 32)
+    with pytest.raises(LayoutError, match="scheduler blocks"):
+        describe(views, num_blocks=4, block_size=32, tp_size=1, tp_rank=0, total_kv_heads=4, page=PAGE)
+    with pytest.raises(LayoutError, match="tokens per kernel block"):
+        describe(views, num_blocks=8, block_size=16, tp_size=1, tp_rank=0, total_kv_heads=4, page=PAGE)
+    odd = {k: v[..., :63] for k, v in views.items()}  # (also no longer contiguous per page)
+    with pytest.raises(LayoutError, match="MLA|contiguous"):
+        describe(odd, num_blocks=8, block_size=32, tp_size=1, tp_rank=0, total_kv_heads=4, page=PAGE)
+    padded, _ = vllm_views("LBHNC", 2, 9, 4, 32, 32)
+    gapped = {k: v[::3] for k, v in padded.items()}  # blocks 3 pages apart
+    with pytest.raises(LayoutError, match="padded pages"):
+        describe(gapped, num_blocks=3, block_size=32, tp_size=1, tp_rank=0, total_kv_heads=4, page=PAGE)
+    with pytest.raises(LayoutError, match="differ"):
+        mixed = dict(views)
+        mixed["model.layers.1.self_attn.attn"] = views["model.layers.1.self_attn.attn"].float()
+        describe(mixed, num_blocks=8, block_size=32, tp_size=1, tp_rank=0, total_kv_heads=4, page=PAGE)
+    with pytest.raises(LayoutError, match="no KV cache"):
+        describe({}, num_blocks=8, block_size=32, tp_size=1, tp_rank=0, total_kv_heads=4, page=PAGE)
+
+
+def execute(pair, dst: KVCache, src: KVCache, local_ids, remote_ids, num_tokens=None):
+    p = full_plan(pair, local_ids, remote_ids, num_tokens)
+    ldesc, rdesc = pair.local_descs(dst.base_addrs(), 0), pair.remote_descs(src.base_addrs(), 0)
+    for (daddr, n, _), (saddr, m, _) in zip(ldesc[p.local_indices], rdesc[p.remote_indices], strict=True):
+        assert n == m
+        ctypes.memmove(int(daddr), int(saddr), int(n))
+    return p
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(["LBHNC", "BLHNC"]), st.sampled_from(["LBHNC", "BLHNC"]), st.data())
+def test_pages_move_block_for_block_between_compact_layouts(remote_order: str, local_order: str, data) -> None:
+    src, src_views, _ = described(remote_order, seed=1)
+    dst, dst_views, _ = described(local_order, seed=2)
+    n = data.draw(st.integers(1, 12))
+    remote_ids = data.draw(st.permutations(range(12)))[:n]
+    local_ids = data.draw(st.permutations(range(12)))[:n]
+    sp = plan_source(dst.cache.spec, src.cache.spec, plan_sources(dst.cache.spec, 1).reads[0])
+    assert sp.path is Path.BLOCK
+    p = execute(sp.pair, dst.cache, src.cache, local_ids, remote_ids)
+    assert p.num_descs == n * (1 if (remote_order, local_order) == ("BLHNC", "BLHNC") else 3)
+    for lid, rid in zip(local_ids, remote_ids, strict=True):
+        for name in src.layer_names:
+            assert page_of(dst_views[name], lid) == page_of(src_views[name], rid)
+
+
+def test_tensor_parallel_pairs_move_runs_of_heads() -> None:
+    """TP 1 -> 2 and 2 -> 1 between heads-outermost pages: each block moves as one run of heads per layer."""
+    one, one_views, _ = described("LBHNC", heads=8, seed=3)
+    halves = [described("BLHNC", heads=4, tp=2, rank=r, seed=10 + r) for r in range(2)]
+    ids = [3, 7, 1]
+    head_page = 32 * 2 * 32 * 2  # tokens x (K + V of one head) x bf16
+    for rank, (half, half_views, _) in enumerate(halves):  # 1 -> 2
+        (src,) = plan_sources(half.cache.spec, 1).reads
+        sp = plan_source(half.cache.spec, one.cache.spec, src)
+        assert sp.path is Path.DIRECT and sp.descs_per_block == 3
+        execute(sp.pair, half.cache, one.cache, [0, 1, 2], ids)
+        for name in one.layer_names:
+            for lid, rid in enumerate(ids):
+                whole = page_of(one_views[name], rid)
+                assert page_of(half_views[name], lid) == whole[rank * 4 * head_page:(rank + 1) * 4 * head_page]
+    back, back_views, _ = described("LBHNC", heads=8, seed=4)  # 2 -> 1: both ranks fill one page
+    for rank, (half, _, _) in enumerate(halves):
+        src = [s for s in plan_sources(back.cache.spec, 2).reads if s.rank == rank][0]
+        execute(plan_source(back.cache.spec, half.cache.spec, src).pair, back.cache, half.cache, ids, [0, 1, 2])
+    for name in one.layer_names:
+        for lid, rid in zip(ids, [0, 1, 2], strict=True):
+            assert page_of(back_views[name], lid) == b"".join(page_of(h[1][name], rid) for h in halves)
+
+
+def test_pages_that_cannot_pair_are_refused_at_planning_naming_the_field() -> None:
+    cpu, _, _ = described("LBHNC")
+    other, _, _ = described("LBHNC", page="vllm:cuda")
+    with pytest.raises(LayoutMismatchError, match="page"):
+        plan_source(cpu.cache.spec, other.cache.spec, plan_sources(cpu.cache.spec, 1).reads[0])
+    tokens_outer = [described("LBNHC", heads=4, tp=2, rank=r)[0] for r in range(2)]
+    whole, _, _ = described("LBNHC", heads=8)
+    with pytest.raises(LayoutMismatchError, match="whole heads"):
+        plan_source(tokens_outer[0].cache.spec, whole.cache.spec, plan_sources(tokens_outer[0].cache.spec, 1).reads[0])
+    with pytest.raises(LayoutError, match="cannot be split"):  # nothing finer than a page: no K/V halves
+        from kvconnect.core.layout import Granularity, unit_table
+
+        unit_table(cpu.cache.spec, Granularity.HALF)
+
+
+def test_a_vllm_shaped_cache_is_pulled_over_nixl_byte_exact() -> None:
+    """Real NIXL between two processes: the prefill holds a block-outermost (BLHNC) page cache, the decode
+    pulls into per-layer (LBHNC) views of its own engine-shaped memory."""
+    dst, dst_views, raw = described("LBHNC", blocks=16, seed=5)
+    spec = dst.cache.spec
+    remote_spec = described("BLHNC", blocks=16)[0].cache.spec
+    pre = PrefillProcess.start(remote_spec, seed=9)
+    try:
+        params = pre.lease("vllm-shaped", [4, 9, 2])
+        with KVConnector(dst.cache, connector_config({}, side_channel_host="127.0.0.1")) as dec:
+            stats = dec.pull(params, [0, 1, 15]).wait(60)
+        assert stats.num_blocks == 3 and stats.bytes == 3 * spec.block_bytes and stats.path == "block"
+        for lid, rid in zip([0, 1, 15], [4, 9, 2], strict=True):
+            assert dst.cache.block_bytes(lid) == pre.ask("block", rid)
+        assert pre.ask("state", "vllm-shaped") == "completed"
+        assert np.count_nonzero(raw.view(torch.uint8).numpy()) > 0
+    finally:
+        pre.stop()
