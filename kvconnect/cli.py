@@ -1,7 +1,8 @@
-"""`kvconnect` command line: one subcommand per module, imported only when chosen.
+"""The `kvconnect` command: one subcommand per module, each imported only when chosen.
 
 Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int`. Flags default to the
-matching `KVCONNECT_*` environment variable where one exists (see config.py).
+matching `KVCONNECT_*` environment variable where one exists; a bad flag or variable ends the command
+with exit status 2 and one line naming the setting, the value and what is allowed.
 """
 
 from __future__ import annotations
@@ -12,7 +13,19 @@ import logging
 import os
 import sys
 
-from kvconnect.core.config import env_setting
+from kvconnect.core.config import env_choice
+from kvconnect.core.errors import ConfigError
+
+DESCRIPTION = """\
+kvconnect moves a prompt's KV cache from a prefill worker to a decode worker over NVIDIA NIXL, for
+disaggregated LLM serving: OpenAI-compatible workers (kvconnect's demo engine), an llm-d style proxy in
+front, a vLLM plug-in (kvconnect.vllm), and benchmarks. Every flag can also be set as KVCONNECT_<FLAG>.
+
+examples:
+  kvconnect demo                                   local prefill + decode + proxy, checked against one worker
+  kvconnect serve --role prefill --port 8100       a prefill worker
+  kvconnect proxy --prefill URL --decode URL       the proxy in front of them
+  kvconnect bench --help                           the transfer benchmark"""
 
 SUBCOMMANDS = {
     "serve": ("kvconnect.serving.server", "run an OpenAI-compatible prefill, decode or aggregated worker"),
@@ -22,15 +35,18 @@ SUBCOMMANDS = {
     "bench-vllm": ("kvconnect.bench.vllm_pd", "vLLM P/D head-to-head: vLLM's NixlConnector vs kvconnect's"),
     "verdict": ("kvconnect.bench.verdict", "time a NIXL READ against a copy and name the UCX transport (JSON)"),
 }
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, str | None]:
-    parser = argparse.ArgumentParser(prog="kvconnect", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default=env_setting("LOG_LEVEL", "INFO"))
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="kvconnect", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
+                        default=env_choice("LOG_LEVEL", LOG_LEVELS, "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = next((a for a in argv if a in SUBCOMMANDS), None)
     for name, (module, help_text) in SUBCOMMANDS.items():
-        sp = sub.add_parser(name, help=help_text)
+        sp = sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
             importlib.import_module(module).add_arguments(sp)
     return parser, chosen
@@ -38,15 +54,17 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, str | None]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser, chosen = build_parser(argv)
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    assert chosen is not None
-    return int(importlib.import_module(SUBCOMMANDS[chosen][0]).run(args) or 0)
+    try:
+        parser, chosen = build_parser(argv)
+        args = parser.parse_args(argv)
+        logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(name)s: "
+                            "%(message)s")
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        assert chosen is not None
+        return int(importlib.import_module(SUBCOMMANDS[chosen][0]).run(args) or 0)
+    except ConfigError as e:  # a bad flag or KVCONNECT_* variable: one line, no traceback
+        print(f"kvconnect: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -174,3 +174,68 @@ def test_reply_signed_with_another_secret_is_rejected(ctx) -> None:
             request(ctx, "127.0.0.1", s.port, hello(), 5, b"client-key")
     finally:
         s.close()
+
+
+def _signed_hello(secret: bytes, ts_ms: int | None = None) -> p.Hello:
+    return p.sign_request(secret, msgspec.structs.replace(hello(), nonce=os.urandom(16),  # type: ignore[return-value]
+                                                          ts_ms=int(time.time() * 1000) if ts_ms is None else ts_ms))
+
+
+def _answer(server: SideChannelServer, msg: p.Hello | p.LeaseRequest) -> p.Reply:
+    return server._answer(p.encode(msg))
+
+
+def test_the_replay_cache_is_bounded_by_time_and_refuses_rather_than_forgets(ctx, monkeypatch) -> None:
+    """A nonce is remembered until its message is too old to be accepted anyway; when the cache is full of
+    nonces still in the window, new messages are refused: an evicted nonce would be replayable."""
+    from kvconnect.core import handshake
+
+    clock = [1_000_000_000]
+    monkeypatch.setattr(handshake, "now_ms", lambda: clock[0])
+    server = SideChannelServer(ctx, "127.0.0.1", 0, handler, b"k", max_nonces=3)
+    try:
+        first = _signed_hello(b"k", clock[0])
+        assert isinstance(_answer(server, first), p.PeerInfo)
+        for _ in range(2):
+            assert isinstance(_answer(server, _signed_hello(b"k", clock[0])), p.PeerInfo)
+        full = _answer(server, _signed_hello(b"k", clock[0]))
+        assert isinstance(full, p.ErrorReply) and "too many signed messages" in full.message
+        again = _answer(server, first)  # the first nonce was not forgotten to make room: still refused
+        assert isinstance(again, p.ErrorReply) and "replayed" in again.message
+        clock[0] += int(handshake.CLOCK_SKEW_S * 1000) + 1  # those messages are now too old to replay at all
+        assert isinstance(_answer(server, _signed_hello(b"k", clock[0])), p.PeerInfo)  # room again
+        old = _answer(server, first)
+        assert isinstance(old, p.ErrorReply) and "window" in old.message
+    finally:
+        server.close()
+
+
+def test_refusals_are_signed_and_a_client_trusts_no_unsigned_one(ctx) -> None:
+    s = Running(b"k")
+    try:  # the server's own refusal (a replay) carries a MAC bound to the refused request's nonce
+        msg = _signed_hello(b"k")
+        assert isinstance(_answer(s.server, msg), p.PeerInfo)
+        refusal = _answer(s.server, msg)
+        assert isinstance(refusal, p.ErrorReply) and refusal.mac and p.reply_mac_ok(b"k", msg.nonce, refusal)
+    finally:
+        s.close()
+    fake = ctx.socket(zmq.ROUTER)  # something on the path answering our hello with an unsigned refusal
+    fake.setsockopt(zmq.LINGER, 0)
+    port = fake.bind_to_random_port("tcp://127.0.0.1")
+    ch = PeerChannel(ctx, "127.0.0.1", port, b"k")
+    try:
+        ch.send(hello())
+        assert fake.poll(5000)
+        ident, *rest = fake.recv_multipart()
+        forged = p.ErrorReply(p.ErrorCode.VERSION, "upgrade to evil 2.0", ref="hello")
+        fake.send_multipart([ident, b"", p.encode(forged)])
+        deadline = time.monotonic() + 5
+        got: list = []
+        while not got and time.monotonic() < deadline:
+            ch.sock.poll(50)
+            got = ch.receive()
+        assert got and isinstance(got[0][1], AuthError) and "unsigned" in str(got[0][1])
+        assert "evil" not in str(got[0][1])
+    finally:
+        ch.close()
+        fake.close()

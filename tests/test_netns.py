@@ -299,9 +299,10 @@ def test_wildcard_bind_needs_an_advertise_host() -> None:
             connector_config(environ={"KVCONNECT_ADVERTISE_HOST": wildcard})
     cfg = connector_config(environ={"KVCONNECT_SIDE_CHANNEL_HOST": "0.0.0.0",
                                     "KVCONNECT_SIDE_CHANNEL_PORT": "5600",
-                                    "KVCONNECT_ADVERTISE_HOST": "10.1.2.3"})
+                                    "KVCONNECT_ADVERTISE_HOST": "10.1.2.3", "KVCONNECT_SECRET": SECRET})
     assert (cfg.side_channel_host, cfg.side_channel_port, cfg.advertise_host) == ("0.0.0.0", 5600, "10.1.2.3")
-    assert connector_config(environ={"KVCONNECT_SIDE_CHANNEL_HOST": "10.1.2.3"}).advertise_host == "10.1.2.3"
+    assert connector_config(environ={"KVCONNECT_SIDE_CHANNEL_HOST": "10.1.2.3",
+                                     "KVCONNECT_SECRET": SECRET}).advertise_host == "10.1.2.3"
 
 
 def test_workers_bind_where_told_and_are_reached_across_hosts(cluster: NetnsCluster) -> None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import socket
+import time
 import uuid
 import zlib
 
 import msgspec
 import numpy as np
 import pytest
+import zmq
 
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import connector_config
@@ -19,8 +21,10 @@ from kvconnect.core.errors import (
     InvalidRequestError,
     LayoutMismatchError,
     LeaseLostError,
+    TransferTimeoutError,
 )
 from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.params import KVTransferParams
 from kvconnect.testing.prefill import PrefillProcess
 from tests.faultkit import poll_until
 
@@ -216,3 +220,90 @@ def test_prefill_restart_under_same_engine_id() -> None:
                 dec.pull(stale, [2]).wait(20)
         finally:
             pre.stop()
+
+
+def test_a_peer_set_up_that_raises_fails_its_pulls_at_once_and_is_handshaken_again(prefills, monkeypatch) -> None:
+    """Any exception after the remote agent was added (here a RuntimeError building the transport) ends the
+    waiting pulls with a named error, drops the half-made peer, and the next pull handshakes afresh."""
+    from kvconnect.core import peers
+    from kvconnect.core.errors import HandshakeError
+
+    real = peers.NixlRead
+    calls = []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("set-up bug")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(peers, "NixlRead", flaky)
+    pre = prefills[LayoutKind.BLOCKS_FIRST]
+    with decoder(LayoutKind.BLOCKS_FIRST, pull_timeout_s=30) as dec:
+        t0 = time.monotonic()
+        with pytest.raises(HandshakeError, match="set-up failed: RuntimeError: set-up bug"):
+            dec.pull(pre.lease(rid(), [3]), [0]).wait(20)
+        assert time.monotonic() - t0 < 30  # (not at the pull's deadline, nor at the caller's)
+        request_id = rid()
+        dec.pull(pre.lease(request_id, [4]), [1]).wait(20)
+        assert dec.cache.block_bytes(1) == pre.ask("block", 4)
+        snap = dec.snapshot()
+        assert (snap.handshakes, snap.handshake_failures) == (1, 1) and len(calls) == 2
+
+
+def test_a_pull_ends_by_its_own_deadline_while_its_peer_never_answers() -> None:
+    """A peer that accepts the connection and never answers: the pull ends at its deadline (1 s), with a named
+    error, although the handshake's own deadline (60 s) is far away."""
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    params = KVTransferParams(do_remote_prefill=True, remote_engine_id="mute", remote_block_ids=[1],
+                              remote_host="127.0.0.1", remote_port=port, remote_request_id="r")
+    try:
+        with decoder(LayoutKind.CROSS_LAYER, handshake_timeout_s=60, pull_timeout_s=1.0) as dec:
+            with pytest.raises(TransferTimeoutError, match="not ready within the pull's deadline"):
+                dec.pull(params, [0]).wait(30)
+    finally:
+        silent.close()
+        ctx.term()
+
+
+def test_the_peer_allowlist_refuses_a_host_before_any_connection() -> None:
+    with socket.socket() as listener:  # a prefill address the list does not name: nobody may connect to it
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        listener.settimeout(0.5)
+        port = listener.getsockname()[1]
+        params = KVTransferParams(do_remote_prefill=True, remote_engine_id="p", remote_block_ids=[1],
+                                  remote_host="127.0.0.1", remote_port=port, remote_request_id="r")
+        with decoder(LayoutKind.CROSS_LAYER, peer_allowlist="10.0.0.0/8, prefill.internal") as dec:
+            with pytest.raises(InvalidRequestError) as e:
+                dec.pull(params, [0])
+            assert e.value.field == "kv_transfer_params.remote_host" and "peer_allowlist" in str(e.value)
+            dec.release_remote(params)  # nor is a release sent there
+            dec.wait_idle()
+            with pytest.raises(socket.timeout):
+                listener.accept()
+
+
+def test_an_ipc_gather_that_cannot_compile_leaves_nixl_and_says_so(prefills, monkeypatch) -> None:
+    """The start-up compile of the IPC gather failing (a CUDA image without a C compiler) is one warning and
+    a gauge; peers then use NIXL, and a connector told to use only IPC refuses them naming why."""
+    from kvconnect.core.transports import ipc_gather
+
+    def no_compiler(device):
+        raise RuntimeError("failed to find a C compiler")
+
+    monkeypatch.setattr(ipc_gather, "warm_up", no_compiler)
+    pre = prefills[LayoutKind.CROSS_LAYER]
+    with decoder(LayoutKind.CROSS_LAYER) as dec:
+        dec._warm_up_gather()  # (what a CUDA connector's loop runs first)
+        assert dec.snapshot().ipc_gather_unavailable == 1
+        request_id = rid()
+        stats = dec.pull(pre.lease(request_id, [6]), [2]).wait(20)
+        assert stats.transport == "nixl" and dec.cache.block_bytes(2) == pre.ask("block", 6)
+    with decoder(LayoutKind.CROSS_LAYER, transport="ipc") as dec:
+        dec._warm_up_gather()
+        with pytest.raises(ipc_gather.PeerCopyError, match="IPC gather is unavailable here: RuntimeError: failed to"):
+            dec.pull(pre.lease(rid(), [7]), [3]).wait(20)

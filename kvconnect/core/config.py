@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 import msgspec
 
+from kvconnect.core.allowlist import is_loopback, parse_allowlist
 from kvconnect.core.errors import ConfigError
 
 ENV_PREFIX = "KVCONNECT_"
@@ -46,7 +47,7 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
     side_channel_host: str = "127.0.0.1"  # bind address of the ZMQ side channel
     side_channel_port: int = 0  # 0 = pick a free port
     advertise_host: str = ""  # what peers should dial; defaults to side_channel_host
-    secret: str = ""  # shared secret for the side channel; empty = no authentication
+    secret: str = ""  # shared secret for the side channel (HMAC); empty = no authentication (loopback only)
     lease_ttl_s: float = 60.0  # a lease nobody reads is freed after this
     handshake_timeout_s: float = 5.0
     pull_timeout_s: float = 30.0  # deadline of one READ, posting to completion
@@ -66,8 +67,23 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
     verdict_bytes: int = 0  # scratch buffer; 0 = 64 MiB; else a multiple of 1 MiB
     verdict_peer_device: str = ""  # device of the buffer read ("cpu", "cuda:1"); "" = the worker's device
     verdict_timeout_s: float = 60.0  # deadline of the whole calibration, child processes included
+    secret_file: str = ""  # read the secret from this file (e.g. a mounted Kubernetes Secret); overrides `secret`
+    # a side channel on a non-loopback address needs a secret: anyone reaching it would get the cache's NIXL
+    # metadata and could release leases. This opts out (a trusted network only)
+    insecure_side_channel: bool = False
+    peer_allowlist: str = ""  # decode: prefill hosts / CIDRs it may dial, comma-separated ("" = any; allowlist.py)
 
     def __post_init__(self) -> None:
+        if self.secret_file:
+            try:
+                with open(self.secret_file) as f:
+                    self.secret = f.read().strip()
+            except OSError as e:
+                raise ConfigError(f"secret_file {self.secret_file!r} (KVCONNECT_SECRET_FILE, --secret-file) cannot be "
+                                  f"read: {e.strerror}") from e
+            if not self.secret:
+                raise ConfigError(f"secret_file {self.secret_file!r} is empty")
+        parse_allowlist(self.peer_allowlist)  # (ConfigError names a bad entry)
         if not self.engine_id:
             self.engine_id = f"kvc-{uuid.uuid4().hex[:12]}"
         if not self.advertise_host:
@@ -80,6 +96,12 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
             self.advertise_host = self.side_channel_host
         elif self.advertise_host in WILDCARD_HOSTS:
             raise ConfigError(f"advertise_host {self.advertise_host!r} is a wildcard, not an address peers can dial")
+        if not self.secret and not self.insecure_side_channel and not is_loopback(self.side_channel_host):
+            raise ConfigError(
+                f"side_channel_host {self.side_channel_host!r} is not a loopback address and no secret is set: anyone "
+                "who reaches it would get this cache's NIXL metadata and could release its leases. Set a secret "
+                "(KVCONNECT_SECRET, --secret-file, KVCONNECT_SECRET_FILE), or opt out on a trusted network with "
+                "KVCONNECT_INSECURE_SIDE_CHANNEL=1 (--insecure-side-channel)")
         if not 0 <= self.side_channel_port < 65536:
             raise ConfigError(f"side_channel_port {self.side_channel_port} is not a TCP port")
         for name in ("lease_ttl_s", "handshake_timeout_s", "pull_timeout_s", "poll_interval_s", "verdict_timeout_s"):
@@ -117,10 +139,66 @@ def connector_config(environ: Mapping[str, str] | None = None, **overrides: obje
     try:
         return msgspec.convert(raw, ConnectorConfig, strict=False)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"invalid kvconnect setting: {e}") from e
+        raise ConfigError(_setting_problem(e, raw)) from e
+
+
+_AT = re.compile(r"^(.*) - at `\$\.(\w+)`$")
+
+
+def _setting_problem(error: msgspec.ValidationError, raw: Mapping[str, object]) -> str:
+    """One line naming the setting (field and variable), the value given and what is allowed."""
+    m = _AT.match(str(error))
+    if not m:
+        return f"invalid kvconnect setting: {error}"
+    reason, name = m.groups()
+    kind = ConnectorConfig.__annotations__.get(name, "")
+    choices: dict[str, type[enum.Enum]] = {"TransportChoice": TransportChoice, "HeteroPathChoice": HeteroPathChoice,
+                                           "FailurePolicy": FailurePolicy}
+    allowed = choices.get(str(kind))
+    what = f"one of {[x.value for x in allowed]}" if allowed else str(kind).replace("'", "")
+    return (f"setting {name} ({ENV_PREFIX}{name.upper()}): {raw.get(name)!r} is not valid ({reason}); "
+            f"expected {what}")
 
 
 def env_setting(name: str, default: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
     """One `KVCONNECT_<NAME>` variable (CLI flag defaults for settings outside ConnectorConfig)."""
     env = os.environ if environ is None else environ
     return env.get(ENV_PREFIX + name.upper(), default)
+
+
+def secret_from_env() -> str:
+    """The side-channel secret from KVCONNECT_SECRET_FILE (if set) or KVCONNECT_SECRET, for processes that
+    hold no ConnectorConfig (the proxy)."""
+    path = env_setting("SECRET_FILE")
+    if path:
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError as e:
+            raise ConfigError(f"KVCONNECT_SECRET_FILE {path!r} cannot be read: {e.strerror}") from e
+    return env_setting("SECRET", "") or ""
+
+
+def env_int(name: str, default: int, low: int = 0, high: int | None = None) -> int:
+    """`KVCONNECT_<NAME>` as an integer in [low, high]; ConfigError naming the variable and the value."""
+    raw = env_setting(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < low or (high is not None and value > high):
+        span = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not valid: expected an integer {span}")
+    return value
+
+
+def env_choice(name: str, choices: tuple[str, ...] | list[str], default: str) -> str:
+    """`KVCONNECT_<NAME>` as one of `choices`; ConfigError naming the variable, the value and the choices."""
+    raw = env_setting(name)
+    if raw is None or raw == "":
+        return default
+    if raw not in choices:
+        raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not valid: expected one of {list(choices)}")
+    return raw

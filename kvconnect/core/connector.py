@@ -96,7 +96,9 @@ class KVConnector:
             self._ctx, config.side_channel_host, config.side_channel_port, self._handle, secret
         )
         self.side_channel_port = self._server.port
-        self._decode = DecodeSide(PeerSet(self._agent, cache, config, self._ctx, secret), cache, config,
+        self._ipc_problem = ""  # why the IPC gather cannot run here ("" = it can, as far as we know)
+        self._decode = DecodeSide(PeerSet(self._agent, cache, config, self._ctx, secret, lambda: self._ipc_problem),
+                                  cache, config,
                                   self.engine_id, self._counters, self._pull_done)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
@@ -105,6 +107,9 @@ class KVConnector:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvc-loop-{self.engine_id}", daemon=True)
         self._thread.start()
+        if not config.confirm_reads:
+            log.warning("confirm_reads is off: a pull is trusted without asking the prefill whether its lease held "
+                        "until the read ended, so a lease that expired mid-read goes unnoticed (not fail-closed)")
         log.info(
             "kvconnect %s (incarnation %s) side channel on %s:%d, %s cache %.1f MiB",
             self.engine_id, self.incarnation_id[:12], config.side_channel_host, self.side_channel_port,
@@ -226,7 +231,8 @@ class KVConnector:
             stale_notifs=c.stale_notifs, side_channel_refused=self._server.num_refused,
             abandoned_reads=len(abandoned), quarantined_blocks=abandoned.num_blocks, leases_held=leases.num_held,
             lease_blocks_held=leases.num_blocks_held,
-            leases_ended={state.value: count for state, count in leases.counts.items()})
+            leases_ended={state.value: count for state, count in leases.counts.items()},
+            ipc_gather_unavailable=int(bool(self._ipc_problem)))
 
     # --- loop --------------------------------------------------------------------------------------
 
@@ -272,13 +278,16 @@ class KVConnector:
                 log.exception("kvconnect loop iteration failed")
 
     def _warm_up_gather(self) -> None:
+        """Compile the IPC gather now (Triton needs a C compiler and Python headers at first use). If it
+        cannot be, same-host GPU peers use NIXL (`transport=ipc` peers are refused) and the snapshot says so."""
         from kvconnect.core.transports import ipc_gather
 
         t0 = time.monotonic()
         try:
             ipc_gather.warm_up(self.cache.regions[0].device)
-        except Exception as e:  # no triton, no GPU support: peers fall back to NIXL at handshake
-            log.info("IPC gather not compiled ahead (%s: %s)", type(e).__name__, e)
+        except Exception as e:
+            self._ipc_problem = f"{type(e).__name__}: {e}"[:300]
+            log.warning("IPC gather unavailable (%s); same-host GPU peers will use NIXL", self._ipc_problem)
             return
         log.info("IPC gather compiled in %.0f ms", (time.monotonic() - t0) * 1e3)
 

@@ -25,6 +25,7 @@ import numpy as np
 from kvconnect.core import lease_client
 from kvconnect.core import protocol as p
 from kvconnect.core.agent import XferState
+from kvconnect.core.allowlist import parse_allowlist
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig
 from kvconnect.core.confirm import LeaseConfirmation
@@ -65,6 +66,7 @@ class DecodeSide:
         self._posted: list[Pull] = []
         self.abandoned = AbandonedReads()  # given-up transfers that may still land
         self._confirm = LeaseConfirmation(config, engine_id, self._succeed, self._fail)
+        self._allowed = parse_allowlist(config.peer_allowlist)
 
     # --- any thread --------------------------------------------------------------------------------
 
@@ -72,6 +74,9 @@ class DecodeSide:
                 request_id: str | None) -> tuple[PullHandle, Callable[[], None]]:
         """Validate a pull; returns its handle and the function that starts it on the loop thread."""
         pull = Pull.from_params(params, local_block_ids, request_id, self._cache.spec, self._config.pull_timeout_s)
+        if not self._allowed.allows(pull.remote_host):  # before any connection is made
+            raise InvalidRequestError("kv_transfer_params.remote_host", f"{pull.remote_host!r} is not an allowed "
+                                      "prefill peer (peer_allowlist)")
         sources = self.peers.sources(pull.remote_tp)
         if len(sources.reads) == 1:
             pull.source = sources.reads[0]
@@ -313,7 +318,10 @@ class DecodeSide:
                                                    reader))
 
     def send_release(self, params: KVTransferParams) -> None:
-        """Release the lease on every rank of the prefill's TP group, as a non-reader (no pin is dropped)."""
+        """Release the lease on every rank of the prefill's TP group, as a non-reader (no pin is dropped).
+        Never to a host outside the peer allow-list (the params came from a client)."""
+        if not self._allowed.allows(params.remote_host or ""):
+            return
         for rank, _, _ in lease_client.release_targets(params):
             self._send_release_to(params, rank)
 

@@ -24,8 +24,12 @@ from kvconnect.core.errors import AuthError, HandshakeError, HandshakeTimeoutErr
 
 log = logging.getLogger(__name__)
 
-CLOCK_SKEW_S = 120.0
-_NONCE_CACHE = 65536
+CLOCK_SKEW_S = 120.0  # a signed message is accepted within this many seconds of the receiver's clock
+# Seen nonces are kept until their timestamp leaves the window (a replay after that is refused by its age).
+# The cache is bounded by count too: when it is full of nonces still inside the window, new messages are
+# refused rather than old nonces forgotten, so nothing becomes replayable. 1,000,000 nonces over the 240 s
+# window is a sustained ~4,000 signed messages/s per worker (each pull sends two or three).
+MAX_NONCES = 1_000_000
 
 
 def now_ms() -> int:
@@ -46,10 +50,12 @@ class SideChannelServer:
         port: int,
         handler: Callable[[p.Request], p.Reply],
         secret: bytes = b"",
+        max_nonces: int = MAX_NONCES,
     ) -> None:
         self._handler = handler
         self._secret = secret
-        self._seen: OrderedDict[bytes, None] = OrderedDict()
+        self._max_nonces = max_nonces
+        self._seen: OrderedDict[bytes, int] = OrderedDict()  # nonce -> its message's timestamp (ms)
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
@@ -91,20 +97,21 @@ class SideChannelServer:
             self.num_refused += 1
             code = p.ErrorCode.VERSION if "protocol version" in str(e) else p.ErrorCode.BAD_MESSAGE
             return p.ErrorReply(code, str(e)[:500])
-        if self._secret:
-            problem = self._auth_problem(msg)
-            if problem:
-                self.num_refused += 1
-                log.warning("side channel: refused %s from engine %r: %s", type(msg).__name__, msg.engine_id, problem)
-                return p.ErrorReply(p.ErrorCode.AUTH, problem, ref=p.ref_of(msg))
-        try:
-            reply = self._handler(msg)
-        except Exception as e:  # a handler bug must not kill the loop
-            log.exception("side channel handler failed")
-            return p.ErrorReply(p.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"[:500], ref=p.ref_of(msg))
-        if self._secret and not isinstance(reply, p.ErrorReply):
-            reply = p.sign_reply(self._secret, msg.nonce, reply)
-        return reply
+        reply: p.Reply
+        problem = self._auth_problem(msg) if self._secret else ""
+        if problem:
+            self.num_refused += 1
+            log.warning("side channel: refused %s from engine %r: %s", type(msg).__name__, msg.engine_id, problem)
+            reply = p.ErrorReply(p.ErrorCode.AUTH, problem, ref=p.ref_of(msg))
+        else:
+            try:
+                reply = self._handler(msg)
+            except Exception as e:  # a handler bug must not kill the loop
+                log.exception("side channel handler failed")
+                reply = p.ErrorReply(p.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"[:500], ref=p.ref_of(msg))
+        # every answer to a decodable request is signed, refusals too: a client holding the secret believes
+        # only answers from a peer that holds it
+        return p.sign_reply(self._secret, msg.nonce, reply) if self._secret else reply
 
     def _auth_problem(self, msg: p.Hello | p.LeaseRequest) -> str:
         if not msg.mac:
@@ -117,9 +124,12 @@ class SideChannelServer:
             return "bad MAC (wrong secret?)"
         if msg.nonce in self._seen:
             return "replayed nonce"
-        self._seen[msg.nonce] = None
-        if len(self._seen) > _NONCE_CACHE:
+        oldest = now_ms() - int(CLOCK_SKEW_S * 1000)
+        while self._seen and next(iter(self._seen.values())) < oldest:  # (arrival order ~ timestamp order)
             self._seen.popitem(last=False)
+        if len(self._seen) >= self._max_nonces:
+            return f"too many signed messages within {CLOCK_SKEW_S:.0f} s ({self._max_nonces}); try again"
+        self._seen[msg.nonce] = msg.ts_ms
         return ""
 
     def close(self) -> None:
@@ -199,8 +209,13 @@ class PeerChannel:
                 out.append(("", HandshakeError(f"side channel {self.addr}: {e}")))
                 continue
             if isinstance(reply, p.ErrorReply):
+                nonce = self._nonces.pop(reply.ref, None)
+                if self._secret and (nonce is None or not p.reply_mac_ok(self._secret, nonce, reply)):
+                    # not from a peer holding our secret (or answering nothing we sent): trust none of it
+                    out.append((reply.ref if nonce is not None else "", AuthError(
+                        f"side channel {self.addr} refused us with an unsigned answer (another secret?)")))
+                    continue
                 err = AuthError if reply.code is p.ErrorCode.AUTH else HandshakeError
-                self._nonces.pop(reply.ref, None)
                 out.append((reply.ref, err(f"side channel {self.addr} refused: {reply.code.value}: {reply.message}")))
                 continue
             ref = p.ref_of(reply)

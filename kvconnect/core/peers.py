@@ -10,6 +10,7 @@ staging caches are shared by every peer that needs the same one. Loop thread onl
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -68,8 +69,9 @@ class PeerSet:
     """The known peers, and the local resources their transports share."""
 
     def __init__(self, agent: NixlAgent, cache: KVCache, config: ConnectorConfig, ctx: zmq.Context,
-                 secret: bytes) -> None:
+                 secret: bytes, ipc_problem: Callable[[], str] = lambda: "") -> None:
         self._agent = agent
+        self._ipc_problem = ipc_problem
         self._cache = cache
         self._config = config
         self._ctx = ctx
@@ -180,9 +182,18 @@ class PeerSet:
     def _same_host_transport(self, peer: Peer, info: p.PeerInfo, pair: PairPlan) -> Transport | None:
         """The CUDA IPC gather for a same-host GPU peer when allowed (None: use NIXL)."""
         choice = self._config.transport
-        if choice is TransportChoice.NIXL or self._cache.spec.device != "cuda" or info.spec.device != "cuda":
+        if choice is TransportChoice.NIXL:
             return None
         from kvconnect.core.transports import ipc_gather
+
+        problem = self._ipc_problem()
+        if problem:  # (the start-up compile failed: say why once per peer, or refuse when only IPC will do)
+            if choice is TransportChoice.IPC:
+                raise ipc_gather.PeerCopyError(f"transport=ipc, but the IPC gather is unavailable here: {problem}")
+            log.info("peer %s: IPC gather unavailable here (%s); using NIXL", peer.engine_id, problem)
+            return None
+        if self._cache.spec.device != "cuda" or info.spec.device != "cuda":
+            return None
 
         try:
             return ipc_gather.IpcTransport.open(info, pair, self._cache)

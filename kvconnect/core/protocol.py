@@ -111,6 +111,7 @@ class ErrorReply(msgspec.Struct, tag="error"):
     message: str
     protocol_version: int = PROTOCOL_VERSION
     ref: str = ""  # correlation key of the refused request (see `ref_of`), empty if undecodable
+    mac: bytes = b""  # with a secret: bound to the refused request's nonce, like every reply
 
 
 def ref_of(msg: Hello | LeaseRequest | PeerInfo | LeaseReply) -> str:
@@ -172,11 +173,11 @@ def request_mac_ok(secret: bytes, msg: Hello | LeaseRequest) -> bool:
     return hmac.compare_digest(want, msg.mac)
 
 
-def sign_reply(secret: bytes, nonce: bytes, msg: PeerInfo | LeaseReply) -> PeerInfo | LeaseReply:
+def sign_reply(secret: bytes, nonce: bytes, msg: Reply) -> Reply:
     return msgspec.structs.replace(msg, mac=_mac(secret, nonce, encode(msgspec.structs.replace(msg, mac=b""))))
 
 
-def reply_mac_ok(secret: bytes, nonce: bytes, msg: PeerInfo | LeaseReply) -> bool:
+def reply_mac_ok(secret: bytes, nonce: bytes, msg: Reply) -> bool:
     want = _mac(secret, nonce, encode(msgspec.structs.replace(msg, mac=b"")))
     return hmac.compare_digest(want, msg.mac)
 

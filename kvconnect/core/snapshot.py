@@ -43,3 +43,4 @@ class ConnectorSnapshot(msgspec.Struct, frozen=True):
     leases_held: int
     lease_blocks_held: int
     leases_ended: dict[str, int]  # by lease state (held counts the ones still held)
+    ipc_gather_unavailable: int = 0  # 1: the IPC gather could not be compiled here; same-host peers use NIXL

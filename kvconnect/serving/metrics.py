@@ -38,6 +38,8 @@ SNAPSHOT = {
                                      "quarantined_blocks"),
     "kvconnect_leases_held": ("gauge", "prefill leases waiting for a reader", "leases_held"),
     "kvconnect_lease_blocks_held": ("gauge", "blocks held by leases", "lease_blocks_held"),
+    "kvconnect_ipc_gather_unavailable": ("gauge", "1 when the IPC gather could not be compiled at start-up "
+                                         "(same-host GPU peers use NIXL)", "ipc_gather_unavailable"),
 }
 
 

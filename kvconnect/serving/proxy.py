@@ -32,8 +32,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvconnect.core import lease_client
-from kvconnect.core.config import env_setting
-from kvconnect.core.errors import KVConnectError
+from kvconnect.core.config import env_int, env_setting, secret_from_env
+from kvconnect.core.errors import ConfigError, KVConnectError
 from kvconnect.core.params import parse_kv_transfer_params
 from kvconnect.serving.openai_api import error_body
 
@@ -61,7 +61,7 @@ class Proxy:
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 300.0,
                  secret: str = "") -> None:
         if not prefill_urls or not decode_urls:
-            raise KVConnectError("the proxy needs at least one --prefill and one --decode URL")
+            raise ConfigError("the proxy needs at least one --prefill and one --decode URL")
         self.prefill_urls = [u.rstrip("/") for u in prefill_urls]
         self.decode_urls = [u.rstrip("/") for u in decode_urls]
         self._prefill_rr = itertools.cycle(range(len(self.prefill_urls)))
@@ -289,7 +289,7 @@ async def _unless_gone(aw: Any, gone: asyncio.Future[None]) -> Any:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=env_setting("PROXY_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(env_setting("PROXY_PORT", "8080") or 8080))
+    p.add_argument("--port", type=int, default=env_int("PROXY_PORT", 8080, 1, 65535))
     p.add_argument("--prefill", action="append", default=None, help="prefill worker URL (repeatable)")
     p.add_argument("--decode", action="append", default=None, help="decode worker URL (repeatable)")
     p.add_argument("--timeout-s", type=float, default=300.0)
@@ -300,6 +300,12 @@ def run(args: argparse.Namespace) -> int:
 
     prefill = args.prefill or [u for u in (env_setting("PREFILL_URLS", "") or "").split(",") if u]
     decode = args.decode or [u for u in (env_setting("DECODE_URLS", "") or "").split(",") if u]
-    proxy = Proxy(prefill, decode, args.timeout_s, env_setting("SECRET", "") or "")
+    for flag, urls in (("--prefill (KVCONNECT_PREFILL_URLS)", prefill), ("--decode (KVCONNECT_DECODE_URLS)", decode)):
+        if not urls:
+            raise ConfigError(f"the proxy needs at least one worker URL: {flag}")
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"{flag}: {url!r} is not an http(s) URL")
+    proxy = Proxy(prefill, decode, args.timeout_s, secret_from_env())
     uvicorn.run(proxy.app(), host=args.host, port=args.port, log_level="warning")
     return 0
