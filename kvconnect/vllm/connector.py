@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from kvconnect.core.config import env_choice
 from kvconnect.vllm.metadata import StepOrders
 from kvconnect.vllm.scheduler import SchedulerSide
 from kvconnect.vllm.settings import rank_config, read_settings
@@ -52,9 +53,24 @@ def _page_format(vllm_config: Any, dtype: torch.dtype, head_size: int) -> str:
     return f"vllm:cpu-{isa}"
 
 
+def _log_to_stderr() -> None:
+    """vLLM configures only its own loggers: give kvconnect's a handler of its own (once per process), at
+    KVCONNECT_LOG_LEVEL (default INFO), unless the host application already did."""
+    root = logging.getLogger("kvconnect")
+    if root.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("(kvconnect pid=%(process)d) %(levelname)s %(asctime)s [%(name)s] "
+                                           "%(message)s"))
+    root.addHandler(handler)
+    root.setLevel(env_choice("LOG_LEVEL", ("DEBUG", "INFO", "WARNING", "ERROR"), "INFO"))
+    root.propagate = False
+
+
 class KVConnectConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_to_stderr()
         self._settings = read_settings(vllm_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
