@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -18,28 +19,16 @@ from kvconnect.core.errors import LayoutError, LayoutMismatchError
 from kvconnect.core.hetero import Path, plan_source, plan_sources
 from kvconnect.core.layout import LayoutKind
 from kvconnect.testing.prefill import PrefillProcess
+from kvconnect.testing.vllm_shapes import packed_views, split_views
 from kvconnect.vllm.layout import describe
 from tests.oracle import plan as full_plan
 
-DIMS = "LBHNC"
 PAGE = "vllm:cpu-vec"
 
 
 def vllm_views(order: str, layers: int, blocks: int, heads: int, tokens: int, head_dim: int,
                dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """What vLLM hands `register_kv_caches`: one raw buffer, and per layer a [B, H, N, C] view whose strides
-    follow `order` (physical order of the logical dims, outermost first), C = K and V of one head."""
-    size = dict(zip(DIMS, (layers, blocks, heads, tokens, 2 * head_dim), strict=True))
-    stride: dict[str, int] = {}
-    step = 1
-    for dim in reversed(order):
-        stride[dim] = step
-        step *= size[dim]
-    gen = torch.Generator().manual_seed(seed)
-    raw = torch.randn(step, generator=gen).to(dtype)
-    views = {f"model.layers.{layer}.self_attn.attn": torch.as_strided(
-        raw, [size[d] for d in "BHNC"], [stride[d] for d in "BHNC"], layer * stride["L"]) for layer in range(layers)}
-    return views, raw
+    return packed_views(order, layers, blocks, heads, tokens, head_dim, dtype, seed)
 
 
 def page_of(view: torch.Tensor, block: int) -> bytes:
@@ -182,5 +171,50 @@ def test_a_vllm_shaped_cache_is_pulled_over_nixl_byte_exact() -> None:
             assert dst.cache.block_bytes(lid) == pre.ask("block", rid)
         assert pre.ask("state", "vllm-shaped") == "completed"
         assert np.count_nonzero(raw.view(torch.uint8).numpy()) > 0
+    finally:
+        pre.stop()
+
+
+@pytest.mark.parametrize("form,kind", [("blocks_first", LayoutKind.BLOCKS_FIRST), ("kv_first", LayoutKind.KV_FIRST),
+                                       ("cross_layer", LayoutKind.CROSS_LAYER)])
+def test_split_kv_tensors_are_kvconnects_own_layouts(form: str, kind: LayoutKind) -> None:
+    """5-D tensors with K and V as a dimension of size 2 (FlashInfer, older vLLM): described from their strides
+    as kvconnect's native layouts (no page format), over the engine's memory, K and V where the engine has them."""
+    views, raw = split_views(form, 3, 12, 4, 16, 32, seed=6)
+    d = describe(views, num_blocks=12, block_size=16, tp_size=1, tp_rank=0, total_kv_heads=4, page=PAGE)
+    spec = d.cache.spec
+    assert (spec.kind, spec.page, spec.token_layout, spec.num_layers, spec.head_dim) == (kind, "", "NHD", 3, 32)
+    assert d.cache.base_addrs()[0] == raw.data_ptr()
+    for layer, name in enumerate(d.layer_names):
+        k, v = d.cache.kv(layer)
+        engine = views[name] if form != "kv_first" else views[name].transpose(0, 1)  # (B, 2, N, H, D)
+        assert torch.equal(k, engine[:, 0]) and torch.equal(v, engine[:, 1])
+        assert k.data_ptr() == engine[:, 0].data_ptr()
+
+
+def test_split_kv_tensors_that_kvconnect_cannot_describe_are_refused() -> None:
+    views, _ = split_views("blocks_first", 2, 12, 4, 16, 32)
+    with pytest.raises(LayoutError, match="neither"):
+        describe(views, num_blocks=6, block_size=16, tp_size=1, tp_rank=0, total_kv_heads=4, page=PAGE)
+    gapped = {k: v[::2] for k, v in views.items()}  # blocks two blocks apart
+    with pytest.raises(LayoutError, match="padded blocks"):
+        describe(gapped, num_blocks=6, block_size=16, tp_size=1, tp_rank=0, total_kv_heads=4, page=PAGE)
+    swapped = {k: v.transpose(3, 4) for k, v in views.items()}  # (B, 2, N, D, H): heads not contiguous
+    with pytest.raises(LayoutError, match="head dimension"):
+        describe(swapped, num_blocks=12, block_size=16, tp_size=1, tp_rank=0, total_kv_heads=32, page=PAGE)
+
+
+def test_a_split_kv_cache_pulls_from_a_kvconnect_engine_over_nixl() -> None:
+    """FlashInfer-shaped per-layer tensors (B, 2, N, H, D) on the decode, kvconnect's own cross_layer cache on
+    the prefill: the layouts plan as kvconnect's own (K/V halves), byte-exact over real NIXL."""
+    views, _ = split_views("blocks_first", 3, 16, 4, 16, 32, seed=7)
+    d = describe(views, num_blocks=16, block_size=16, tp_size=1, tp_rank=0, total_kv_heads=4, page=PAGE)
+    remote = msgspec.structs.replace(d.cache.spec, kind=LayoutKind.CROSS_LAYER)
+    pre = PrefillProcess.start(remote, seed=4)
+    try:
+        with KVConnector(d.cache, connector_config({}, side_channel_host="127.0.0.1")) as dec:
+            dec.pull(pre.lease("split", [5, 0, 11]), [2, 9, 3]).wait(60)
+        for lid, rid in zip([2, 9, 3], [5, 0, 11], strict=True):
+            assert d.cache.block_bytes(lid) == pre.ask("block", rid)
     finally:
         pre.stop()

@@ -6,7 +6,7 @@ and side-channel port), so one process can serve many benchmark cases. Every com
 ("ok", value) or ("error", text); `PrefillProcess.ask` raises `KVConnectError` on the latter. Commands:
 
 - `setup(spec, seed, port)`: a new cache filled from `seed`, a new connector; answers its side-channel port
-  and incarnation id;
+  and incarnation id; `setup_views(shape, geometry, seed, port)`: the same over vLLM-shaped tensors;
 - leases: `lease(request_id, block_ids, num_tokens)` (the params as JSON), `state(request_id)`,
   `settle(request_id, timeout_s)` (wait until it is no longer held), `release(request_id)` (its final
   state and the blocks still leased once drained), `expire(request_id)`, `held`, `freed`;
@@ -81,19 +81,39 @@ class _Server:
         self.config = config
         self.connector: Any = None
         self.cache: Any = None
+        self.raw: Any = None  # the engine-shaped memory under `cache` (setup_views)
         self.freed: list[int] = []
 
     def setup(self, spec_raw: bytes, seed: int, port: int) -> tuple[int, str]:
-        import torch
-
         from kvconnect.core.cache import KVCache
-        from kvconnect.core.config import connector_config
-        from kvconnect.core.connector import KVConnector
 
         self.close()  # release NIXL's hold, then the old cache's memory
         spec = msgspec.msgpack.decode(spec_raw, type=CacheSpec)
         self.cache = KVCache.allocate(spec, self.device)
         self.cache.fill_pattern(seed)
+        return self._serve(port)
+
+    def setup_views(self, shape: str, geometry: dict[str, Any], seed: int, port: int) -> tuple[int, str]:
+        """Like `setup`, over tensors shaped as vLLM's backends allocate them (`vllm_shapes.make_views`),
+        registered through the vLLM plug-in's `describe`."""
+        from kvconnect.testing.vllm_shapes import make_views
+        from kvconnect.vllm.layout import describe
+
+        self.close()
+        g = geometry
+        views, self.raw = make_views(shape, g["layers"], g["blocks"], g["heads"], g["tokens"], g["head_dim"],
+                                     seed=seed, device=self.device)
+        self.cache = describe(views, num_blocks=g["blocks"], block_size=g["tokens"], tp_size=1, tp_rank=0,
+                              total_kv_heads=g["heads"], page=str(g.get("page", "vllm:cuda"))).cache
+        return self._serve(port)
+
+    def _serve(self, port: int) -> tuple[int, str]:
+        """A fresh connector over `self.cache` (side channel on `port`, 0 = any): its port and incarnation."""
+        import torch
+
+        from kvconnect.core.config import connector_config
+        from kvconnect.core.connector import KVConnector
+
         if self.device.startswith("cuda"):
             torch.cuda.synchronize(torch.device(self.device))
         self.freed = []
@@ -106,6 +126,8 @@ class _Server:
 
         if cmd == "setup":
             return self.setup(*args)
+        if cmd == "setup_views":
+            return self.setup_views(*args)
         conn, cache = self.connector, self.cache
         if conn is None:
             raise KVConnectError(f"{cmd!r} before setup")
@@ -164,7 +186,7 @@ class _Server:
     def close(self) -> None:
         if self.connector is not None:
             self.connector.close()
-        self.connector = self.cache = None
+        self.connector = self.cache = self.raw = None
 
 
 def _main(pipe: Any, env: dict[str, str], device: str, config: dict[str, Any]) -> None:
@@ -255,6 +277,10 @@ class PrefillProcess:
     def setup(self, spec: CacheSpec, seed: int, port: int = 0) -> None:
         """Send a new cache spec (side channel on `port`, 0 = any); `wait_setup` for the answer."""
         self.send("setup", msgspec.msgpack.encode(spec), seed, port)
+
+    def setup_views(self, shape: str, geometry: dict[str, Any], seed: int, port: int = 0) -> None:
+        """Send a vLLM-shaped cache (see `_Server.setup_views`); `wait_setup` for the answer."""
+        self.send("setup_views", shape, geometry, seed, port)
 
     def wait_setup(self) -> None:
         self.port, self.incarnation_id = self.answer("setup", START_TIMEOUT_S)

@@ -13,6 +13,11 @@ transposed, then V). What kvconnect needs is where each block's bytes lie, so th
 - or blocks `L` pages apart with layer `l`'s page at `l` pages into the block (block-outermost): one
   region for the whole cache (`cross_layer`, one descriptor per block for every layer).
 
+Backends that keep K and V as a dimension of size 2 (FlashInfer, vLLM before the packed views, kvconnect's
+own engine) hand 5-D tensors per layer: `(B, 2, N, H, D)` (or physically `(B, 2, H, N, D)`), `(2, B, N, H, D)`,
+or per-layer views of one `(B, L, 2, N, H, D)` buffer. Those are kvconnect's own layouts (blocks_first,
+kv_first, cross_layer), so their spec carries no page format and every plan (K/V halves, heads) applies.
+
 Anything else (pages split by another dimension, padded pages, layers that are not evenly spaced,
 mixed dtypes or shapes) is refused with a `LayoutError` saying which and why. The page's interior is
 the engine's business: `CacheSpec.page` names it, and two peers exchange pages only when their names
@@ -55,14 +60,17 @@ def describe(kv_caches: Mapping[str, torch.Tensor], *, num_blocks: int, block_si
     views = [kv_caches[n] for n in names]
     first = views[0]
     for name, t in zip(names, views, strict=True):
-        if t.dim() != 4:
+        if t.dim() not in (4, 5):
             raise LayoutError(f"vLLM KV cache {name}: a {t.dim()}-D tensor {tuple(t.shape)}; expected [B, H, N, C] "
-                              "(vLLM 0.32 per-layer views)")
+                              "(vLLM 0.32 per-layer views) or 5-D with K and V as a dimension of size 2")
         if (t.shape, t.dtype, t.device, t.stride()) != (first.shape, first.dtype, first.device, first.stride()):
             raise LayoutError(f"vLLM KV cache {name}: shape/dtype/device/strides {tuple(t.shape)} {t.dtype} "
                               f"{t.device} {t.stride()} differ from {names[0]}'s; kvconnect needs one page format")
     if first.dtype not in _DTYPE_NAMES:
         raise LayoutError(f"vLLM KV cache dtype {first.dtype} is not one of {sorted(TORCH_DTYPES)}")
+    if first.dim() == 5:
+        return _describe_split(names, views, num_blocks=num_blocks, block_size=block_size, tp_size=tp_size,
+                               tp_rank=tp_rank, total_kv_heads=total_kv_heads)
     nb, heads, tokens, content = first.shape
     isz = first.element_size()
     s_block, s_head, s_token, s_content = (s * isz for s in first.stride())
@@ -111,3 +119,51 @@ def _bytes(view: torch.Tensor, shape: tuple[int, ...], block_stride: int) -> tor
     out = torch.as_strided(raw, shape, (block_stride, 1), raw.storage_offset())
     assert out.data_ptr() == view.data_ptr()
     return out
+
+
+def _describe_split(names: tuple[str, ...], views: list[torch.Tensor], *, num_blocks: int, block_size: int,
+                    tp_size: int, tp_rank: int, total_kv_heads: int) -> Described:
+    """5-D per-layer tensors with K and V as a dimension of size 2: kvconnect's own layouts, no page format."""
+    first = views[0]
+    shape, stride = tuple(first.shape), first.stride()
+    where = f"vLLM KV cache {tuple(shape)}, element strides {stride}"
+    if shape[:2] == (num_blocks, 2):
+        kv_outer, (s_block, s_kv) = False, stride[:2]
+    elif shape[:2] == (2, num_blocks):
+        kv_outer, (s_kv, s_block) = True, stride[:2]
+    else:
+        raise LayoutError(f"{where}: neither (num_blocks={num_blocks}, 2, ...) nor (2, num_blocks, ...); kvconnect "
+                          "needs K and V as a dimension of size 2 next to the blocks")
+    tokens, heads, head_dim = shape[2:]
+    s_token, s_head, s_dim = stride[2:]
+    if tokens != block_size:
+        raise LayoutError(f"{where}: {tokens} tokens per kernel block, but the block size is {block_size}")
+    if s_dim != 1:
+        raise LayoutError(f"{where}: the head dimension is not contiguous")
+    if (s_head, s_token) == (head_dim, heads * head_dim):
+        token_layout = "NHD"
+    elif (s_token, s_head) == (head_dim, tokens * head_dim):
+        token_layout = "HND"
+    else:
+        raise LayoutError(f"{where}: one block's K (or V) is not one contiguous run of (N, H, D) or (H, N, D)")
+    half = tokens * heads * head_dim
+    layer_bytes = 2 * half * first.element_size()
+    bases = [int(t.data_ptr()) for t in views]
+    if kv_outer and (s_block, s_kv) == (half, num_blocks * half):
+        kind = LayoutKind.KV_FIRST
+    elif not kv_outer and s_kv == half and s_block == 2 * half:
+        kind = LayoutKind.BLOCKS_FIRST
+    elif (not kv_outer and s_kv == half and s_block == 2 * half * len(views)
+          and all(b == bases[0] + i * layer_bytes for i, b in enumerate(bases))):
+        kind = LayoutKind.CROSS_LAYER
+    else:
+        raise LayoutError(f"{where}: blocks {s_block} and K/V {s_kv} elements apart for K/V blocks of {half} "
+                          f"elements and {len(views)} layers: not a blocks_first, kv_first or cross_layer layout "
+                          "(padded blocks are not supported)")
+    spec = CacheSpec(kind=kind, dtype=_DTYPE_NAMES[first.dtype], num_layers=len(views), num_blocks=num_blocks,
+                     block_size=tokens, num_kv_heads=heads, head_dim=head_dim, device=first.device.type,
+                     tp_size=tp_size, tp_rank=tp_rank, token_layout=token_layout, total_kv_heads=total_kv_heads)
+    owners = views[:1] if kind is LayoutKind.CROSS_LAYER else views
+    regions = [torch.as_strided(t, spec.region_shape(), spec.region_strides(), t.storage_offset()) for t in owners]
+    order = {LayoutKind.KV_FIRST: "2B", LayoutKind.BLOCKS_FIRST: "B2", LayoutKind.CROSS_LAYER: "BL2"}[kind]
+    return Described(KVCache.from_tensors(spec, regions), names, order + ("HND" if token_layout == "HND" else "NHD"))
