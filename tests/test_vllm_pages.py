@@ -1,5 +1,6 @@
 """vLLM-shaped KV caches (no vLLM needed): per-layer [B, H, N, C] views laid out by vLLM 0.32's stride
-permutations, described by their strides, planned and moved as memcpy (the oracle) and by real NIXL."""
+permutations, and 5-D tensors with K and V as a dimension of size 2, described by their strides, planned and
+moved as memcpy (the oracle) and by real NIXL."""
 
 from __future__ import annotations
 
@@ -160,9 +161,11 @@ def test_a_vllm_shaped_cache_is_pulled_over_nixl_byte_exact() -> None:
     pulls into per-layer (LBHNC) views of its own engine-shaped memory."""
     dst, dst_views, raw = described("LBHNC", blocks=16, seed=5)
     spec = dst.cache.spec
-    remote_spec = described("BLHNC", blocks=16)[0].cache.spec
-    pre = PrefillProcess.start(remote_spec, seed=9)
+    pre = PrefillProcess.launch()
     try:
+        pre.wait_started()  # the prefill's tensors are engine-shaped too, registered through describe
+        pre.setup_views("BLHNC", dict(layers=3, blocks=16, heads=4, tokens=32, head_dim=32, page=PAGE), 9)
+        pre.wait_setup()
         params = pre.lease("vllm-shaped", [4, 9, 2])
         with KVConnector(dst.cache, connector_config({}, side_channel_host="127.0.0.1")) as dec:
             stats = dec.pull(params, [0, 1, 15]).wait(60)
