@@ -202,6 +202,9 @@ def test_split_kv_tensors_that_kvconnect_cannot_describe_are_refused() -> None:
     gapped = {k: v[::2] for k, v in views.items()}  # blocks two blocks apart
     with pytest.raises(LayoutError, match="padded blocks"):
         describe(gapped, num_blocks=6, block_size=16, tp_size=1, tp_rank=0, total_kv_heads=4, page=PAGE)
+    two, _ = split_views("kv_first", 2, 2, 4, 16, 32)  # (2, 2, ...): its strides also fit (B, 2, ...)
+    with pytest.raises(LayoutError, match="cannot tell blocks from K/V"):
+        describe(two, num_blocks=2, block_size=16, tp_size=1, tp_rank=0, total_kv_heads=4, page=PAGE)
     swapped = {k: v.transpose(3, 4) for k, v in views.items()}  # (B, 2, N, D, H): heads not contiguous
     with pytest.raises(LayoutError, match="head dimension"):
         describe(swapped, num_blocks=12, block_size=16, tp_size=1, tp_rank=0, total_kv_heads=32, page=PAGE)

@@ -127,6 +127,9 @@ def _describe_split(names: tuple[str, ...], views: list[torch.Tensor], *, num_bl
     first = views[0]
     shape, stride = tuple(first.shape), first.stride()
     where = f"vLLM KV cache {tuple(shape)}, element strides {stride}"
+    if num_blocks == 2:  # (2, 2, ...) reads as either order, and the strides of one can match the other's
+        raise LayoutError(f"{where}: with 2 blocks, K/V-split tensors cannot tell blocks from K/V; give the "
+                          "engine more blocks")
     if shape[:2] == (num_blocks, 2):
         kv_outer, (s_block, s_kv) = False, stride[:2]
     elif shape[:2] == (2, num_blocks):
