@@ -164,3 +164,14 @@ def test_decode_with_dead_prefill_fails_clearly_within_deadline() -> None:
 
 if os.environ.get("KVCONNECT_SKIP_SLOW"):  # pragma: no cover
     pytestmark = pytest.mark.skip("KVCONNECT_SKIP_SLOW set")
+
+
+def test_free_ports_come_from_below_the_kernels_ephemeral_range() -> None:
+    """Servers of a test cluster bind ports picked earlier; a port from the ephemeral range can meanwhile be
+    taken by any process's outgoing connection (seen: a worker exiting with uvicorn's startup failure)."""
+    from kvconnect.testing.net import LOW_PORT, _ephemeral_start, free_port
+
+    top = _ephemeral_start()
+    ports = {free_port() for _ in range(20)}
+    assert all(LOW_PORT <= port < top for port in ports), (sorted(ports), top)
+    assert len(ports) > 1  # picked at random, so two callers rarely collide

@@ -6,6 +6,7 @@ Everything here waits by polling with a deadline, never by sleeping a fixed time
 from __future__ import annotations
 
 import os
+import random
 import socket
 import time
 from collections.abc import Callable
@@ -16,8 +17,31 @@ from kvconnect.core.errors import KVConnectError
 T = TypeVar("T")
 
 
+LOW_PORT = 10000  # the pool starts here, and ends where the kernel's ephemeral range begins
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now."""
+    """A TCP port free on `host` right now, below the kernel's ephemeral range where possible: a port the
+    kernel hands out for `bind(0)` or an outgoing connection can be taken by any process (a NIXL agent,
+    an HTTP client) between this call and the server's bind; a port below that range only by another
+    caller of this function, which picks at random."""
+    top = _ephemeral_start()
+    if top - LOW_PORT >= 1000:
+        for port in random.sample(range(LOW_PORT, top), 64):
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
