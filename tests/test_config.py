@@ -118,3 +118,10 @@ def test_a_connector_without_read_confirmation_warns_that_it_is_not_fail_closed(
         with KVConnector(KVCache.allocate(spec), connector_config({})):
             pass
     assert not any("confirm_reads" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("raw", ["-1", "nan", "inf", "1e9"])
+def test_the_lease_grace_is_a_bounded_non_negative_time(raw: str) -> None:
+    with pytest.raises(ConfigError, match="lease_grace_s must be between 0 and"):
+        connector_config({"KVCONNECT_LEASE_GRACE_S": raw})
+    assert connector_config({"KVCONNECT_LEASE_GRACE_S": "3"}).lease_grace_s == 3

@@ -150,3 +150,25 @@ def test_a_non_reader_release_never_drops_a_readers_pin() -> None:
     assert freed == [] and t.num_blocks_held == 2  # still pinned by reader 0
     assert t.complete("a", reader=0) is LeaseState.COMPLETED  # its read happened under the pin
     assert freed == [4, 5] and t.num_blocks_held == 0
+
+
+def test_a_release_that_precedes_its_grant_ends_the_grant_within_the_grace() -> None:
+    """An engine that grants a lease on its next step (vLLM) may see the decode's RELEASE first: with a grace
+    the grant that follows ends at once, if the release named a suffix of its blocks and the grace holds."""
+    clock, freed = Clock(), []
+    t = LeaseTable(10.0, clock, lambda rid, ids: freed.extend(ids), tombstone_s=30.0, grace_s=5.0)
+    assert t.release("early", block_ids=[2, 3]) is LeaseState.UNKNOWN
+    t.grant("early", [1, 2, 3])
+    assert t.state("early") is LeaseState.RELEASED and freed == [1, 2, 3] and t.num_blocks_held == 0
+    t.release("foreign", block_ids=[9])  # blocks the grant does not end with: the grant stands
+    t.grant("foreign", [4, 5])
+    assert t.state("foreign") is LeaseState.HELD
+    t.release("late", block_ids=[6])
+    clock.now += 5.1
+    t.expire()  # (forgotten after the grace)
+    t.grant("late", [6])
+    assert t.state("late") is LeaseState.HELD
+    plain, _, plain_freed = table()  # no grace: nothing is remembered
+    assert plain.release("x", block_ids=[1]) is LeaseState.UNKNOWN
+    plain.grant("x", [1])
+    assert plain.state("x") is LeaseState.HELD and plain_freed == []

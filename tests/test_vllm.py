@@ -218,7 +218,7 @@ def test_a_killed_prefill_fails_the_decode_leg_or_recomputes_never_hangs(c: Vllm
     assert generate(c.urls["proxy"], prompt, MAX_TOKENS)["token_ids"] == want  # the new prefill serves again
 
 
-def test_the_plugin_refuses_a_bad_setting_naming_it(tmp_path: Path) -> None:
+def test_the_plugin_refuses_a_bad_setting_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A bad kv_connector_extra_config key stops vLLM at start-up with kvconnect's message."""
     from vllm.config import KVTransferConfig
 
@@ -241,3 +241,12 @@ def test_the_plugin_refuses_a_bad_setting_naming_it(tmp_path: Path) -> None:
         read_settings(Cfg({}, tp=2))
     with pytest.raises(ConfigError, match="lease_ttl_s"):
         read_settings(Cfg({"lease_ttl_s": -1}))
+    # vLLM grants leases a step after request_finished: decodes are told to wait for them, unless set
+    from kvconnect.vllm.settings import LEASE_GRACE_S
+
+    assert read_settings(Cfg({})).config.lease_grace_s == LEASE_GRACE_S > 0
+    assert read_settings(Cfg({"lease_grace_s": 0})).config.lease_grace_s == 0
+    monkeypatch.setenv("KVCONNECT_LEASE_GRACE_S", "2.5")
+    assert read_settings(Cfg({})).config.lease_grace_s == 2.5
+    with pytest.raises(ConfigError, match="lease_grace_s"):
+        read_settings(Cfg({"lease_grace_s": -1}))

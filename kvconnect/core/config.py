@@ -42,6 +42,9 @@ class FailurePolicy(str, enum.Enum):
     RECOMPUTE = "recompute"  # the decode worker computes the prompt itself
 
 
+MAX_LEASE_GRACE_S = 600.0
+
+
 class ConnectorConfig(msgspec.Struct, kw_only=True):
     engine_id: str = ""  # stable name of this worker; generated when empty
     side_channel_host: str = "127.0.0.1"  # bind address of the ZMQ side channel
@@ -49,6 +52,11 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
     advertise_host: str = ""  # what peers should dial; defaults to side_channel_host
     secret: str = ""  # shared secret for the side channel (HMAC); empty = no authentication (loopback only)
     lease_ttl_s: float = 60.0  # a lease nobody reads is freed after this
+    # prefill: how long after its kv_transfer_params left a lease may still be granted. Engines that grant it
+    # on their next step (the vLLM plug-in) advertise this in the handshake; a decode then asks again about a
+    # lease the prefill has never seen, for this long, instead of failing the pull. Such an engine must hold
+    # the blocks from before the params leave (vLLM does: its request_finished keeps them)
+    lease_grace_s: float = 0.0
     handshake_timeout_s: float = 5.0
     pull_timeout_s: float = 30.0  # deadline of one READ, posting to completion
     confirm_reads: bool = True  # ask the prefill side whether the lease held during the read
@@ -107,6 +115,8 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
         for name in ("lease_ttl_s", "handshake_timeout_s", "pull_timeout_s", "poll_interval_s", "verdict_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.lease_grace_s <= MAX_LEASE_GRACE_S:
+            raise ConfigError(f"lease_grace_s must be between 0 and {MAX_LEASE_GRACE_S:g} s, got {self.lease_grace_s}")
         if self.staging_mb < 0:
             raise ConfigError(f"staging_mb must be >= 0, got {self.staging_mb}")
         if self.verdict_bytes < 0 or self.verdict_bytes % 2**20:

@@ -9,6 +9,12 @@ Decode side, loop thread. Two ways to know, per pull:
 - **confirm**: after the transfer, ask whether the lease was still held (or completed by our own
   notification) when the read ended; only COMPLETED makes the pull usable.
 
+A prefill that grants leases a little after their params leave (the vLLM plug-in grants on its next
+engine step) says so in its handshake (`PeerInfo.lease_grace_ms`); a PIN or CONFIRM it answers with
+"never seen" is then asked again, with backoff, until that grace or the pull's deadline ends. Such an
+engine holds the blocks from before the params leave, so a READ posted before the grant read the
+request's data; whether the lease held is still decided by the prefill's answer.
+
 A pin that was refused (the lease had ended, or named blocks it does not hold) fails the pull. Without
 `confirm_reads`, a transport whose transfer notifies the prefill by itself (NIXL) is trusted unasked;
 that is not fail-closed, and the worker warns at start when it is configured.
@@ -27,6 +33,7 @@ from kvconnect.core.peers import Peer
 from kvconnect.core.pull import PinState, Pull, PullPhase
 
 BLOCKS_REFUSED = "block_ids:"  # how the prefill's lease table starts a refusal of blocks it did not lease
+ASK_AGAIN_S = (0.002, 0.05)  # first and longest wait before asking again about a lease not granted yet
 
 
 def refusal(pull: Pull, reply: p.LeaseReply) -> KVConnectError | None:
@@ -50,6 +57,7 @@ class LeaseConfirmation:
         self._engine_id = engine_id
         self._succeed = succeed
         self._fail = fail
+        self._asking_again: list[Pull] = []  # pulls whose lease the prefill had not granted yet
 
     def needed(self, peer: Peer) -> bool:
         """Whether the prefill side is asked about the lease: always, unless `confirm_reads` is off and the
@@ -63,11 +71,15 @@ class LeaseConfirmation:
             return
         src = pull.source
         assert src is not None
+        self._send_pin(peer, pull)
+
+    def _send_pin(self, peer: Peer, pull: Pull) -> None:
+        assert pull.source is not None
         now = time.monotonic()
         pin_s = max(pull.deadline_s - now, 0.001)
         pull.pin_until_s = now + pin_s  # the prefill pins from when it gets this, so at least until then
         pull.pin = PinState.SENT
-        msg = lease_client.pin(self._engine_id, pull.remote_request_id, src, pull.remote_block_ids, pin_s)
+        msg = lease_client.pin(self._engine_id, pull.remote_request_id, pull.source, pull.remote_block_ids, pin_s)
         peer.confirming[p.ref_of(msg)] = pull
         peer.channel.send(msg)
 
@@ -85,6 +97,8 @@ class LeaseConfirmation:
         refused = refusal(pull, reply) if isinstance(reply, p.LeaseReply) else None
         if refused is not None:
             self._fail(pull, refused)
+            return
+        if isinstance(reply, p.LeaseReply) and self._not_granted_yet(peer, pull, reply):
             return
         if pull.pin is PinState.SENT:
             if isinstance(reply, HandshakeError):
@@ -104,6 +118,41 @@ class LeaseConfirmation:
         else:
             self._fail(pull, LeaseLostError(f"pull {pull.handle.request_id}: prefill lease was "
                                             f"{lease_problem(reply)} when the read finished; data discarded"))
+
+    def _not_granted_yet(self, peer: Peer, pull: Pull, reply: p.LeaseReply) -> bool:
+        """The prefill has never seen this lease but may still grant it (its handshake said how late): ask
+        again after a backoff, unless that grace or the pull's deadline has run out."""
+        grace_s = peer.info.lease_grace_ms / 1000 if peer.info is not None else 0.0
+        if reply.state is not p.LeaseState.UNKNOWN or reply.reason or grace_s <= 0:
+            return False
+        now = time.monotonic()
+        if not pull.not_granted_since_s:
+            pull.not_granted_since_s = now
+        wait_s = min(ASK_AGAIN_S[0] * 2**pull.asked, ASK_AGAIN_S[1])
+        if now + wait_s - pull.not_granted_since_s > grace_s or now + wait_s >= pull.deadline_s:
+            return False
+        pull.ask_again_s = now + wait_s
+        pull.asked += 1
+        self._asking_again.append(pull)
+        return True
+
+    def tick(self, now: float, peer_of: Callable[[Pull], Peer | None]) -> None:
+        """Repeat the PINs and CONFIRMs that are due (loop tick)."""
+        if not self._asking_again:
+            return
+        due = [x for x in self._asking_again if x.ask_again_s <= now or x.phase in (PullPhase.DONE, PullPhase.FAILED)]
+        self._asking_again = [x for x in self._asking_again if x not in due]
+        for pull in due:
+            pull.ask_again_s = 0.0
+            if pull.phase in (PullPhase.DONE, PullPhase.FAILED):
+                continue
+            peer = peer_of(pull)
+            if peer is None:
+                self._fail(pull, PeerGoneError(f"engine {pull.remote_engine_id} dropped before confirmation"))
+            elif pull.pin is PinState.SENT:
+                self._send_pin(peer, pull)
+            else:
+                self._decide(peer, pull)
 
     def _decide(self, peer: Peer | None, pull: Pull) -> None:
         """Transfer done, pin answered (or none asked): succeed under a live pin, else confirm and wait."""

@@ -58,7 +58,7 @@ class KVConnector:
         self._on_blocks_freed = on_blocks_freed or (lambda ids: None)
         self._on_lease_ended = on_lease_ended or (lambda request_id: None)
         self._on_pull_done = on_pull_done
-        self._leases = LeaseTable(config.lease_ttl_s, clock, self._blocks_freed)
+        self._leases = LeaseTable(config.lease_ttl_s, clock, self._blocks_freed, grace_s=config.lease_grace_s)
         self._agent = NixlAgent(
             f"{self.engine_id}-{self.incarnation_id[:12]}",
             AgentOptions(num_threads=config.nixl_threads, telemetry=config.telemetry),
@@ -89,6 +89,7 @@ class KVConnector:
             host_id=host,
             ipc_handles=ipc_handles,
             ipc_offsets=ipc_offsets,
+            lease_grace_ms=round(config.lease_grace_s * 1000),
         )
         self._ctx = zmq.Context()
         secret = config.secret_bytes
@@ -177,9 +178,11 @@ class KVConnector:
         elif msg.action is p.LeaseAction.PIN:
             state = self._leases.pin(msg.request_id, msg.reader, msg.pin_ms / 1000)
         else:
-            state = self._leases.release(msg.request_id, msg.reader)
+            state = self._leases.release(msg.request_id, msg.reader, msg.block_ids)
             if state is p.LeaseState.RELEASED:
                 log.info("lease %s released by %s", msg.request_id, msg.engine_id)
+        if state is p.LeaseState.UNKNOWN:
+            self._counters.unknown_lease_requests += 1  # not granted yet (lease_grace_s), forgotten, or made up
         return p.LeaseReply(msg.request_id, state, self.incarnation_id, seq=msg.seq)
 
     def _drain_notifs(self) -> None:
@@ -232,7 +235,7 @@ class KVConnector:
             abandoned_reads=len(abandoned), quarantined_blocks=abandoned.num_blocks, leases_held=leases.num_held,
             lease_blocks_held=leases.num_blocks_held,
             leases_ended={state.value: count for state, count in leases.counts.items()},
-            ipc_gather_unavailable=int(bool(self._ipc_problem)))
+            ipc_gather_unavailable=int(bool(self._ipc_problem)), unknown_lease_requests=c.unknown_lease_requests)
 
     # --- loop --------------------------------------------------------------------------------------
 

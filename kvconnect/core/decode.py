@@ -252,6 +252,7 @@ class DecodeSide:
                                                       "the deadline (raise staging_mb)"))
             else:
                 self._post(staged_for, pull)
+        self._confirm.tick(now, lambda pull: self.peers.get(pull.peer_key))
         self._sweep_deadlines(now)
         self.abandoned.poll()
 

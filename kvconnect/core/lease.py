@@ -16,6 +16,10 @@ A reader may *pin* a held lease before its read finishes (so it need not ask aft
 ends (the reader completes or releases, or the pin's own deadline passes) the blocks are not handed back,
 whatever ends the lease meanwhile (TTL, release, force-expire); that end takes effect, blocks scrubbed and
 freed, when the last pin goes.
+
+With a grace (`grace_s`, for engines that grant a lease a little after its params left), a RELEASE of a
+lease not granted yet is remembered for that long: the grant it precedes then ends at once, RELEASED, if
+the release named a suffix of its blocks (a decode aborted before the prefill's next step).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from kvconnect.core.errors import LeaseError
 from kvconnect.core.protocol import LeaseState, blocks_digest
 
 log = logging.getLogger(__name__)
+
+MAX_EARLY_RELEASES = 4096  # releases of leases not granted yet that are remembered at once (oldest dropped)
 
 
 @dataclass
@@ -52,6 +58,7 @@ class LeaseTable:
         clock: Callable[[], float],
         on_free: Callable[[str, list[int]], None],
         tombstone_s: float | None = None,
+        grace_s: float = 0.0,
     ) -> None:
         if ttl_s <= 0:
             raise LeaseError(f"lease ttl must be positive, got {ttl_s}")
@@ -63,6 +70,8 @@ class LeaseTable:
         self._leases: dict[str, Lease] = {}
         self._leased_blocks: set[int] = set()
         self._expire_on_read = 0  # fault injection: see `expire_next_reads`
+        self.grace_s = grace_s
+        self._early: dict[str, tuple[float, tuple[int, ...]]] = {}  # request id -> (forget at, blocks named)
         self.counts = {state: 0 for state in LeaseState}
 
     # --- queries -----------------------------------------------------------------------------------
@@ -132,7 +141,11 @@ class LeaseTable:
             self._leases[request_id] = lease
             self._leased_blocks.update(ids)
             self.counts[LeaseState.HELD] += 1
-            return lease
+            early = self._early.pop(request_id, None)
+        if early is not None and early[0] > now and early[1] and ids[len(ids) - len(early[1]):] == early[1]:
+            log.info("lease %s: released before it was granted; its %d blocks go back now", request_id, len(ids))
+            self._end(request_id, LeaseState.RELEASED)
+        return lease
 
     def pin(self, request_id: str, reader: int, pin_s: float) -> LeaseState:
         """Keep a held lease's blocks for `reader` for up to `pin_s` (see the module doc). Returns HELD when
@@ -198,8 +211,15 @@ class LeaseTable:
             return self._end(request_id, LeaseState.EXPIRED)
         return self._end(request_id, LeaseState.COMPLETED)
 
-    def release(self, request_id: str, reader: int = -1) -> LeaseState:
-        """Give the blocks back now without a completed read (`reader`, when it is one, also drops its pin)."""
+    def release(self, request_id: str, reader: int = -1, block_ids: Sequence[int] | None = None) -> LeaseState:
+        """Give the blocks back now without a completed read (`reader`, when it is one, also drops its pin).
+        A release naming `block_ids` of a lease not granted yet is remembered for the grace (module doc)."""
+        with self._lock:
+            if request_id not in self._leases and block_ids is not None and self.grace_s > 0:
+                if len(self._early) >= MAX_EARLY_RELEASES:
+                    del self._early[next(iter(self._early))]
+                self._early[request_id] = (self._clock() + self.grace_s, tuple(int(b) for b in block_ids))
+                return LeaseState.UNKNOWN
         state = self._end(request_id, LeaseState.RELEASED)
         if reader >= 0:
             self.unpin(request_id, reader)
@@ -224,6 +244,8 @@ class LeaseTable:
                 elif lease.state is not LeaseState.HELD and not lease.deferred and now - lease.ended_s >= \
                         self.tombstone_s:
                     del self._leases[rid]
+            for rid in [r for r, (until, _) in self._early.items() if until <= now]:
+                del self._early[rid]
         for freeing in unpinned:
             self._free(*freeing)
         ended = [x for x in expired if self._end(x.request_id, LeaseState.EXPIRED) is LeaseState.EXPIRED]

@@ -95,6 +95,7 @@ class PeerInfo(msgspec.Struct, tag="peer_info"):
     host_id: str = ""
     ipc_handles: list[bytes] = []
     ipc_offsets: list[int] = []
+    lease_grace_ms: int = 0  # a lease may be granted this long after its params left (config.lease_grace_s)
 
 
 class LeaseReply(msgspec.Struct, tag="lease_reply"):

@@ -18,6 +18,7 @@ class Counters:
     handshake_failures: int = 0
     notifs: int = 0
     stale_notifs: int = 0
+    unknown_lease_requests: int = 0  # PIN, CONFIRM or RELEASE naming a lease this side never granted (or forgot)
 
     def failed(self, error: BaseException) -> None:
         name = type(error).__name__
@@ -44,3 +45,4 @@ class ConnectorSnapshot(msgspec.Struct, frozen=True):
     lease_blocks_held: int
     leases_ended: dict[str, int]  # by lease state (held counts the ones still held)
     ipc_gather_unavailable: int = 0  # 1: the IPC gather could not be compiled here; same-host peers use NIXL
+    unknown_lease_requests: int = 0  # lease requests naming a lease never granted here (or forgotten)

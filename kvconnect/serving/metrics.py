@@ -31,6 +31,8 @@ SNAPSHOT = {
     "kvconnect_handshake_failures": ("counter", "failed or timed-out handshakes", "handshake_failures"),
     "kvconnect_notifs": ("counter", "read notifications received (prefill side)", "notifs"),
     "kvconnect_stale_notifs": ("counter", "notifications naming another incarnation, ignored", "stale_notifs"),
+    "kvconnect_unknown_lease_requests": ("counter", "PIN/CONFIRM/RELEASE naming a lease not (yet) granted here",
+                                         "unknown_lease_requests"),
     "kvconnect_side_channel_refused": ("counter", "side-channel messages refused: malformed, version, auth",
                                        "side_channel_refused"),
     "kvconnect_abandoned_reads": ("gauge", "given-up READs that may still write into their blocks", "abandoned_reads"),

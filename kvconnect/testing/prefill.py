@@ -145,6 +145,8 @@ class _Server:
             return conn.expire_lease(args[0]).value
         if cmd == "held":
             return conn.snapshot().lease_blocks_held
+        if cmd == "unknown":  # lease requests that named a lease not granted here
+            return conn.snapshot().unknown_lease_requests
         if cmd == "freed":
             return sorted(self.freed)
         if cmd == "block":

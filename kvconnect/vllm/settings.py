@@ -7,6 +7,10 @@ refused by name. What vLLM already decides is taken from vLLM and cannot be set 
 policy (`kv_transfer_config.kv_load_failure_policy`: vLLM's own recompute or fail). `side_channel_port`
 is the TP group's base port: worker rank r listens on base + r; 0 (the default) picks a free port,
 allowed only without tensor parallelism.
+
+`lease_grace_s` defaults to `LEASE_GRACE_S` here (not 0): the scheduler returns a request's params before
+its workers grant the lease (they do so when the next step's orders are bound, which can be a forward
+later), so decodes are told to ask again about a lease not granted yet. vLLM holds the blocks meanwhile.
 """
 
 from __future__ import annotations
@@ -15,10 +19,11 @@ from typing import Any
 
 import msgspec
 
-from kvconnect.core.config import ConnectorConfig, connector_config
+from kvconnect.core.config import ConnectorConfig, connector_config, env_overrides
 from kvconnect.core.errors import ConfigError
 
 DECIDED_BY_VLLM = ("engine_id", "failure_policy")
+LEASE_GRACE_S = 10.0  # how long after request_finished a lease may still be granted (one engine step, or two)
 
 
 class VllmSettings(msgspec.Struct, frozen=True):
@@ -45,7 +50,9 @@ def read_settings(vllm_config: Any) -> VllmSettings:
     if not kvt.engine_id:
         raise ConfigError("kv_transfer_config.engine_id is empty")
     tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
-    config = connector_config(None, **extra, engine_id=str(kvt.engine_id))
+    grace = {} if "lease_grace_s" in extra or env_overrides(None, ("lease_grace_s",)) else \
+        {"lease_grace_s": LEASE_GRACE_S}
+    config = connector_config(None, **grace, **extra, engine_id=str(kvt.engine_id))
     if tp_size > 1 and config.side_channel_port == 0:
         raise ConfigError(f"tensor_parallel_size {tp_size}: set kv_connector_extra_config.side_channel_port (or "
                           "KVCONNECT_SIDE_CHANNEL_PORT) to the group's base port; rank r listens on base + r")
