@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,9 +66,13 @@ class VllmCluster:
     block_size: int = 32
     max_model_len: int = 4096
     kv_cache_gib: int = 1
+    dtype: str = "bfloat16"
     urls: dict[str, str] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     _cmds: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict)
+    # vLLM's ZMQ IPC sockets (API server <-> engine <-> workers); a killed server leaves them behind, so they
+    # go in a directory of the cluster's own, removed at stop, rather than the system's temp directory
+    rpc_dir: str = ""
 
     def base_env(self, server: Server) -> dict[str, str]:
         env = dict(os.environ)
@@ -78,12 +84,14 @@ class VllmCluster:
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_HOST_IP": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "PYTHONUNBUFFERED": "1",
         })
+        if self.rpc_dir:
+            env["VLLM_RPC_BASE_PATH"] = self.rpc_dir
         env.update(server.env)
         return env
 
     def _command(self, server: Server, port: int) -> list[str]:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
-               "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+               "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", self.dtype,
                "--block-size", str(self.block_size), "--max-model-len", str(self.max_model_len),
                "--max-num-seqs", "8", "--enforce-eager", "--seed", "0"]
         if server.tensor_parallel > 1:
@@ -94,6 +102,7 @@ class VllmCluster:
 
     def start(self) -> VllmCluster:
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+        self.rpc_dir = tempfile.mkdtemp(prefix="kvc-vllm-rpc-")  # (short: a socket path has ~107 bytes)
         try:
             for server in self.servers:
                 port = free_port()
@@ -178,6 +187,8 @@ class VllmCluster:
                     pass
                 proc.wait(60)
         self.procs.clear()
+        if self.rpc_dir:
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
 
     def __enter__(self) -> VllmCluster:
         return self.start()
