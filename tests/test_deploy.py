@@ -424,8 +424,10 @@ def check_services_and_proxy(docs: list[dict[str, Any]], pods: dict[str, Any], c
             assert svc["spec"]["ports"][0]["port"] == u.port == worker_port[role]
 
 
-@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
-def test_kustomize_builds_valid_wired_manifests(kustomization: str) -> None:
+def worker_pods(kustomization: str) -> Iterator[tuple[str, str, dict[str, Any], dict[str, Any], dict[str, Any]]]:
+    """Build and validate `kustomization` and check what every variant shares; yield each worker pod's
+    (role, name, pod, container, env) once the checks every worker shares passed (env names known, ports,
+    probes). The Services and the proxy are checked after the caller has seen both pods."""
     docs = kustomize(DEPLOY / kustomization)
     k8s_validate(docs)
     pods, configmaps = check_common(docs, kustomization)
@@ -436,8 +438,15 @@ def test_kustomize_builds_valid_wired_manifests(kustomization: str) -> None:
         (c,) = pod["spec"]["containers"]
         env = container_env(c, configmaps)
         assert_known_env(set(env), f"{kustomization} {name}")
-        assert env["KVCONNECT_ROLE"] == role and c["args"] == ["serve"]
         worker_port[role] = check_worker_common(c, env, pod, name)
+        yield role, name, pod, c, env
+    check_services_and_proxy(docs, pods, configmaps, kustomization, worker_port)
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_kustomize_builds_valid_wired_manifests(kustomization: str) -> None:
+    for role, _, _, c, env in worker_pods(kustomization):
+        assert env["KVCONNECT_ROLE"] == role and c["args"] == ["serve"]
         if kustomization == "base":  # images and transport settings belong to the overlays
             assert c["image"] == "kvconnect-worker"
             continue
@@ -453,7 +462,6 @@ def test_kustomize_builds_valid_wired_manifests(kustomization: str) -> None:
             assert int(limits["rdma/ib"]) == 1 and int(c["resources"]["requests"]["rdma/ib"]) == 1
             assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
             assert "rc" in env["UCX_TLS"].split(",") and env["UCX_NET_DEVICES"].startswith("mlx5")
-    check_services_and_proxy(docs, pods, configmaps, kustomization, worker_port)
 
 
 def expand(value: str, env: dict[str, Any], where: str) -> str:
@@ -471,20 +479,10 @@ def test_vllm_overlays_run_vllm_with_the_plugin(kustomization: str) -> None:
     """The prefill and decode pods are vLLM servers loading kvconnect's plug-in (CPU: the vllm-cpu image and
     `python -m vllm.entrypoints.openai.api_server`; GPU: the user's vLLM image and `vllm serve`), on the
     model PVC mounted read-only where --model points; same ports, probes, Services and proxy as the base."""
-    docs = kustomize(DEPLOY / kustomization)
-    k8s_validate(docs)
-    pods, configmaps = check_common(docs, kustomization)
     gpu = kustomization.endswith("gpu")
-    worker_port: dict[str, int] = {}
     engine_ids = set()
-    for role in ("prefill", "decode"):
-        name = f"kvconnect-{role}"
-        pod = pods[name]
-        (c,) = pod["spec"]["containers"]
-        env = container_env(c, configmaps)
-        assert_known_env(set(env), f"{kustomization} {name}")
+    for role, name, pod, c, env in worker_pods(kustomization):
         assert "KVCONNECT_ROLE" not in env, "the role is the kv_role of --kv-transfer-config"
-        worker_port[role] = check_worker_common(c, env, pod, name)
         argv = [expand(a, env, name) for a in [*c["command"], *c["args"]]]
         if gpu:
             assert c["command"] == ["vllm", "serve"]
@@ -512,7 +510,6 @@ def test_vllm_overlays_run_vllm_with_the_plugin(kustomization: str) -> None:
         assert mounts["home"]["mountPath"] == env["HOME"] and "tmp" in mounts
         assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert engine_ids == {"<KVCONNECT_ENGINE_ID>"}, "each pod's engine id is its pod name"
-    check_services_and_proxy(docs, pods, configmaps, kustomization, worker_port)
 
 
 @pytest.mark.parametrize("kustomization", VLLM_KUSTOMIZATIONS)

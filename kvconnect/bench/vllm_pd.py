@@ -14,7 +14,7 @@ prefill leg (`max_tokens` 1, `do_remote_decode`), then the decode leg streamed w
   kvconnect also reports requested -> usable (`vllm:kvconnect_pull_time_seconds`, lease confirmed);
 - the decode leg's time to first token, as the client sees it.
 
-The ceiling is a plain copy of the same bytes in this process (torch, one thread, best of 5), after each
+The ceiling is a plain copy of the same bytes in this process (numpy memcpy, one thread, best of 5), after each
 request.
 NixlConnector runs as `nixl_fair.FairNixlConnector`: its CPU thread pinning and NIXL progress thread undone
 (see there); kvconnect runs as shipped.
@@ -37,8 +37,8 @@ from typing import Any
 
 import httpx
 import numpy as np
-import torch
 
+from kvconnect.bench.pull import CopyCeiling
 from kvconnect.testing.net import free_port
 from kvconnect.testing.tiny_llama import TinyLlama, build
 from kvconnect.testing.vllm_cluster import Server, VllmCluster, connector_json
@@ -71,19 +71,6 @@ def scrape_sums(url: str, names: dict[str, str]) -> dict[str, tuple[float, float
         count = sum(s.value for s in family.samples if s.name.endswith("_count"))
         out[key] = (total, count)
     return out
-
-
-def copy_ceiling_gbps(nbytes: int, tries: int = 5) -> float:
-    """The best of `tries` one-thread copies of `nbytes` (both buffers touched first): the servers' engines
-    share the cores, so a single copy measures their scheduling as much as the memory."""
-    src = torch.empty(max(nbytes, 1), dtype=torch.uint8).fill_(1)
-    dst = torch.empty_like(src).fill_(0)
-    best = float("inf")
-    for _ in range(tries):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
 
 
 def one_request(cluster: VllmCluster, connector: str, ids: list[int], timeout_s: float = 300.0) -> dict[str, Any]:
@@ -120,7 +107,7 @@ def one_request(cluster: VllmCluster, connector: str, ids: list[int], timeout_s:
     row = {"tokens": len(ids), "bytes": delta["bytes"], "descs": delta["descs"], "xfer_s": xfer,
            "post_s": delta.get("post_s"),
            "gbps": delta["bytes"] / xfer / 1e9 if xfer > 0 else 0.0, "ttft_s": ttft,
-           "ceiling_gbps": copy_ceiling_gbps(int(delta["bytes"]))}
+           "ceiling_gbps": CopyCeiling(max(int(delta["bytes"]), 1), "cpu", "cpu").best_gbps(5)}
     if "pull_s" in delta:
         row["pull_s"] = delta["pull_s"]
     return row
@@ -226,7 +213,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvconnect bench-vllm: connectors must be among {sorted(CONNECTORS)} (got {unknown}), lengths "
               "non-empty, reps >= 1", file=sys.stderr)
         return 2
-    torch.set_num_threads(1)  # the ceiling is a one-thread copy, like a NIXL/UCX cma read
     scratch = Path(tempfile.gettempdir()) / "kvconnect-bench-vllm"
     model_dir = args.model_dir or str(build(scratch / "ckpt-kv8x128", TinyLlama.named("kv8x128")))
     rows = []
