@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import threading
 import sys
 from pathlib import Path
 
@@ -125,3 +126,36 @@ def test_the_lease_grace_is_a_bounded_non_negative_time(raw: str) -> None:
     with pytest.raises(ConfigError, match="lease_grace_s must be between 0 and"):
         connector_config({"KVCONNECT_LEASE_GRACE_S": raw})
     assert connector_config({"KVCONNECT_LEASE_GRACE_S": "3"}).lease_grace_s == 3
+
+
+def loop_cpus_of_a_connector_made_on(cpus: set[int], **config: str) -> set[int]:
+    """The CPUs a connector's I/O thread may run on, the connector made by a thread pinned to `cpus` (as
+    vLLM pins each worker's main thread to its compute cores)."""
+    out: dict[str, set[int]] = {}
+
+    def make() -> None:
+        os.sched_setaffinity(0, cpus)
+        spec = CacheSpec(kind=LayoutKind.CROSS_LAYER, num_blocks=2, dtype="float16", num_layers=1, block_size=16,
+                         num_kv_heads=1, head_dim=16)
+        with KVConnector(KVCache.allocate(spec), connector_config({}, **config)) as conn:
+            conn.wait_idle()  # (the loop has placed itself)
+            native_id = conn._thread.native_id
+            assert native_id is not None
+            out["cpus"] = os.sched_getaffinity(native_id)
+
+    t = threading.Thread(target=make)
+    t.start()
+    t.join(60)
+    return out["cpus"]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_the_io_thread_leaves_the_core_its_creator_was_pinned_to() -> None:
+    """A connector made in a pinned thread still runs its I/O loop on every CPU the process may use, or on
+    loop_cpus when set: pinned with the engine's spinning main thread, it missed pull deadlines."""
+    allowed = os.sched_getaffinity(0)
+    first, last = min(allowed), max(allowed)
+    assert loop_cpus_of_a_connector_made_on({first}) == allowed
+    assert loop_cpus_of_a_connector_made_on({first}, loop_cpus=str(last)) == {last}
+    with pytest.raises(ConfigError, match="loop_cpus.*KVCONNECT_LOOP_CPUS.*'x'"):
+        connector_config({"KVCONNECT_LOOP_CPUS": "0,x"})

@@ -80,6 +80,10 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
     # metadata and could release leases. This opts out (a trusted network only)
     insecure_side_channel: bool = False
     peer_allowlist: str = ""  # decode: prefill hosts / CIDRs it may dial, comma-separated ("" = any; allowlist.py)
+    # CPUs the connector's I/O thread runs on, e.g. "0-3,8". "" = every CPU this process may use, even when
+    # the thread that made the connector was pinned: vLLM pins each worker to its compute cores, and an I/O
+    # thread sharing a core with a spinning engine loop went unscheduled long enough to miss pull deadlines
+    loop_cpus: str = ""
 
     def __post_init__(self) -> None:
         if self.secret_file:
@@ -117,6 +121,10 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.lease_grace_s <= MAX_LEASE_GRACE_S:
             raise ConfigError(f"lease_grace_s must be between 0 and {MAX_LEASE_GRACE_S:g} s, got {self.lease_grace_s}")
+        try:
+            parse_cpu_list(self.loop_cpus)
+        except ValueError as e:
+            raise ConfigError(f"setting loop_cpus ({ENV_PREFIX}LOOP_CPUS): {e}") from None
         if self.staging_mb < 0:
             raise ConfigError(f"staging_mb must be >= 0, got {self.staging_mb}")
         if self.verdict_bytes < 0 or self.verdict_bytes % 2**20:
@@ -125,8 +133,30 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
             raise ConfigError(f"verdict_peer_device must be cpu, cuda or cuda:N, got {self.verdict_peer_device!r}")
 
     @property
+    def loop_cpu_set(self) -> frozenset[int]:
+        """`loop_cpus` as CPU numbers (empty: every CPU the process may use)."""
+        return parse_cpu_list(self.loop_cpus)
+
+    @property
     def secret_bytes(self) -> bytes:
         return self.secret.encode()
+
+
+MAX_CPU = 4095
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """A Linux CPU list ("0-3,8"; "" = none given) as CPU numbers; ValueError says what is wrong."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        m = re.fullmatch(r"(\d{1,4})(?:-(\d{1,4}))?", part)
+        if not m:
+            raise ValueError(f"{part!r} in {text!r} is not a CPU number or range like 0-3")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if lo > hi or hi > MAX_CPU:
+            raise ValueError(f"{part!r} in {text!r} is not a range of CPUs 0-{MAX_CPU}")
+        cpus.update(range(lo, hi + 1))
+    return frozenset(cpus)
 
 
 def env_overrides(environ: Mapping[str, str] | None = None, fields: tuple[str, ...] | None = None) -> dict[str, str]:

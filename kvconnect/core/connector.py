@@ -249,6 +249,7 @@ class KVConnector:
             pass
 
     def _run(self) -> None:
+        self._place_thread()
         if self.spec.device == "cuda":  # NIXL and the IPC path need this device's context on this thread
             import torch
 
@@ -279,6 +280,17 @@ class KVConnector:
                 self._leases.expire()
             except Exception:  # keep serving; the failing pull or message was already answered
                 log.exception("kvconnect loop iteration failed")
+
+    def _place_thread(self) -> None:
+        """Run this I/O thread on `loop_cpus`, by default on any CPU the process may use rather than the
+        core the creating thread was pinned to (the kernel keeps the mask inside the process's cpuset)."""
+        cpus = self.config.loop_cpu_set or frozenset(range(os.cpu_count() or 1))
+        try:
+            os.sched_setaffinity(0, cpus)
+        except (OSError, AttributeError) as e:  # (no CPU of the list is allowed here; or not Linux)
+            log.warning("connector loop stays on CPUs %s: cannot move it to %s: %s",
+                        sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "?",
+                        self.config.loop_cpus or "all", e)
 
     def _warm_up_gather(self) -> None:
         """Compile the IPC gather now (Triton needs a C compiler and Python headers at first use). If it
