@@ -2,7 +2,7 @@
 
 Decode side, loop thread. Two ways to know, per pull:
 
-- **pin** (`pin_reads`, the default): as the transfer is posted, ask the prefill to keep the blocks for
+- **pin** (`pin_reads`, the default): just before the transfer is posted, ask the prefill to keep the blocks for
   this reader until it confirms (or until the pull's deadline). A HELD answer means no lease end can
   free the blocks under the read, so a transfer that ends under a held pin succeeds at once; the
   CONFIRM that follows only ends the pin (its answer is not awaited);
@@ -65,8 +65,10 @@ class LeaseConfirmation:
         assert peer.transport is not None
         return self._config.confirm_reads or not peer.transport.notifies
 
-    def posted(self, peer: Peer, pull: Pull) -> None:
-        """The transfer was just posted: pin the lease for it if configured."""
+    def pin(self, peer: Peer, pull: Pull) -> None:
+        """The transfer is about to be posted: pin the lease for it if configured. Sent first, so that the
+        answer's round trip overlaps the posting (a short transfer would otherwise end before it and wait);
+        a post that then fails drops the pin with the pull (`DecodeSide._fail`)."""
         if not (self.needed(peer) and self._config.pin_reads):
             return
         src = pull.source

@@ -5,8 +5,8 @@ WAIT_PEER -> POSTED -> CONFIRMING -> DONE, or FAILED from any of them (`pull.Pul
 
 - WAIT_PEER: the peer (`peers.py`) is handshaking; a pull naming another incarnation, or a disconnect,
   drops the stale peer and handshakes again;
-- POSTED: the peer's transport (`transports/`) moves the blocks; with `pin_reads` the lease is pinned as
-  the transfer is posted, so a transfer that ends under a held pin needs no round trip;
+- POSTED: the peer's transport (`transports/`) moves the blocks; with `pin_reads` the lease is pinned just
+  before the transfer is posted, so a transfer that ends under a held pin needs no round trip;
 - CONFIRMING: without a held pin the prefill side is asked whether its lease held until the read ended;
   only its COMPLETED makes the pull DONE (fail closed).
 
@@ -180,6 +180,7 @@ class DecodeSide:
         stats.path = plan_src.path.value
         notif = p.encode_notif(pull.remote_request_id, info.incarnation_id, pull.source.reader, pull.source.readers,
                                pull.remote_block_ids.tolist())
+        self._confirm.pin(peer, pull)  # before posting: the PIN's round trip runs while the transfer is posted
         try:
             pull.posted, state, plan = transport.post(local, remote, pull.num_tokens, notif)
         except KVConnectError as e:
@@ -193,7 +194,6 @@ class DecodeSide:
         stats.post_s = pull.posted_s - t0
         pull.phase = PullPhase.POSTED
         self._posted.append(pull)
-        self._confirm.posted(peer, pull)
         self._check(pull, state)
 
     def _check(self, pull: Pull, state: XferState) -> None:
