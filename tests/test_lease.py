@@ -172,3 +172,23 @@ def test_a_release_that_precedes_its_grant_ends_the_grant_within_the_grace() -> 
     assert plain.release("x", block_ids=[1]) is LeaseState.UNKNOWN
     plain.grant("x", [1])
     assert plain.state("x") is LeaseState.HELD and plain_freed == []
+
+
+def test_early_releases_are_bounded_whatever_a_peer_sends() -> None:
+    """A peer may name any request id and up to a 4 MiB message of block ids: the table remembers at most
+    MAX_EARLY_RELEASES of them (the oldest go first), and none whose id is over MAX_EARLY_ID characters."""
+    from kvconnect.core import lease as lease_module
+
+    clock = Clock()
+    t = LeaseTable(10.0, clock, lambda rid, ids: None, grace_s=5.0)
+    last = lease_module.MAX_EARLY_RELEASES
+    for i in range(last + 1):
+        t.release(f"r{i}", block_ids=[10_000 + i])
+    long_id = "x" * (lease_module.MAX_EARLY_ID + 1)
+    t.release(long_id, block_ids=[1])  # not remembered, so it pushes nothing out
+    t.grant(long_id, [1])
+    t.grant("r0", [10_000])  # forgotten: the oldest of one too many
+    t.grant("r1", [10_001])
+    t.grant(f"r{last}", [10_000 + last])
+    assert t.state(long_id) is LeaseState.HELD and t.state("r0") is LeaseState.HELD
+    assert t.state("r1") is LeaseState.RELEASED and t.state(f"r{last}") is LeaseState.RELEASED

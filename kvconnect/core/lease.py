@@ -35,6 +35,7 @@ from kvconnect.core.protocol import LeaseState, blocks_digest
 log = logging.getLogger(__name__)
 
 MAX_EARLY_RELEASES = 4096  # releases of leases not granted yet that are remembered at once (oldest dropped)
+MAX_EARLY_ID = 256  # longer request ids are not remembered (a peer's message may be 4 MiB of id)
 
 
 @dataclass
@@ -71,7 +72,8 @@ class LeaseTable:
         self._leased_blocks: set[int] = set()
         self._expire_on_read = 0  # fault injection: see `expire_next_reads`
         self.grace_s = grace_s
-        self._early: dict[str, tuple[float, tuple[int, ...]]] = {}  # request id -> (forget at, blocks named)
+        # request id -> (forget at, how many blocks it named, their digest): bounded whatever a peer sends
+        self._early: dict[str, tuple[float, int, bytes]] = {}
         self.counts = {state: 0 for state in LeaseState}
 
     # --- queries -----------------------------------------------------------------------------------
@@ -142,7 +144,8 @@ class LeaseTable:
             self._leased_blocks.update(ids)
             self.counts[LeaseState.HELD] += 1
             early = self._early.pop(request_id, None)
-        if early is not None and early[0] > now and early[1] and ids[len(ids) - len(early[1]):] == early[1]:
+        if early is not None and early[0] > now and 0 < early[1] <= len(ids) and \
+                blocks_digest(ids[len(ids) - early[1]:]) == early[2]:
             log.info("lease %s: released before it was granted; its %d blocks go back now", request_id, len(ids))
             self._end(request_id, LeaseState.RELEASED)
         return lease
@@ -216,9 +219,11 @@ class LeaseTable:
         A release naming `block_ids` of a lease not granted yet is remembered for the grace (module doc)."""
         with self._lock:
             if request_id not in self._leases and block_ids is not None and self.grace_s > 0:
-                if len(self._early) >= MAX_EARLY_RELEASES:
-                    del self._early[next(iter(self._early))]
-                self._early[request_id] = (self._clock() + self.grace_s, tuple(int(b) for b in block_ids))
+                if len(request_id) <= MAX_EARLY_ID and block_ids:
+                    self._early.pop(request_id, None)  # (re-inserted last: the oldest goes first)
+                    if len(self._early) >= MAX_EARLY_RELEASES:
+                        del self._early[next(iter(self._early))]
+                    self._early[request_id] = (self._clock() + self.grace_s, len(block_ids), blocks_digest(block_ids))
                 return LeaseState.UNKNOWN
         state = self._end(request_id, LeaseState.RELEASED)
         if reader >= 0:
@@ -244,7 +249,7 @@ class LeaseTable:
                 elif lease.state is not LeaseState.HELD and not lease.deferred and now - lease.ended_s >= \
                         self.tombstone_s:
                     del self._leases[rid]
-            for rid in [r for r, (until, _) in self._early.items() if until <= now]:
+            for rid in [r for r, (until, _, _) in self._early.items() if until <= now]:
                 del self._early[rid]
         for freeing in unpinned:
             self._free(*freeing)
