@@ -53,7 +53,8 @@ SERIES = {  # connector -> {what: metric name on the decode server}
     "nixl": {"bytes": "vllm:nixl_bytes_transferred", "descs": "vllm:nixl_num_descriptors",
              "xfer_s": "vllm:nixl_xfer_time_seconds", "post_s": "vllm:nixl_post_time_seconds"},
     "kvconnect": {"bytes": "vllm:kvconnect_bytes_transferred", "descs": "vllm:kvconnect_num_descriptors",
-                  "xfer_s": "vllm:kvconnect_xfer_time_seconds", "pull_s": "vllm:kvconnect_pull_time_seconds"},
+                  "xfer_s": "vllm:kvconnect_xfer_time_seconds", "pull_s": "vllm:kvconnect_pull_time_seconds",
+                  "post_s": "vllm:kvconnect_post_time_seconds"},
 }
 
 
