@@ -71,8 +71,6 @@ class LeaseConfirmation:
         a post that then fails drops the pin with the pull (`DecodeSide._fail`)."""
         if not (self.needed(peer) and self._config.pin_reads):
             return
-        src = pull.source
-        assert src is not None
         self._send_pin(peer, pull)
 
     def _send_pin(self, peer: Peer, pull: Pull) -> None:
@@ -142,12 +140,9 @@ class LeaseConfirmation:
         """Repeat the PINs and CONFIRMs that are due (loop tick)."""
         if not self._asking_again:
             return
-        due = [x for x in self._asking_again if x.ask_again_s <= now or x.phase in (PullPhase.DONE, PullPhase.FAILED)]
-        self._asking_again = [x for x in self._asking_again if x not in due]
-        for pull in due:
-            pull.ask_again_s = 0.0
-            if pull.phase in (PullPhase.DONE, PullPhase.FAILED):
-                continue
+        live = [x for x in self._asking_again if x.phase not in (PullPhase.DONE, PullPhase.FAILED)]
+        self._asking_again = [x for x in live if x.ask_again_s > now]
+        for pull in (x for x in live if x.ask_again_s <= now):
             peer = peer_of(pull)
             if peer is None:
                 self._fail(pull, PeerGoneError(f"engine {pull.remote_engine_id} dropped before confirmation"))

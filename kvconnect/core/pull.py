@@ -158,7 +158,7 @@ class Pull:
     pin_error: str = ""  # PinState.LOST: the refusal, or the state the lease had ended in
     pin_until_s: float = 0.0  # our (conservative) end of the pin
     not_granted_since_s: float = 0.0  # when the prefill first said it had never seen the lease (confirm.py)
-    ask_again_s: float = 0.0  # when to repeat that PIN or CONFIRM (0: not waiting to)
+    ask_again_s: float = 0.0  # when to repeat that PIN or CONFIRM (while confirm.py has it waiting)
     asked: int = 0  # how many times it was repeated
 
     def run_on_settled(self) -> None:
