@@ -5,19 +5,24 @@ kv_transfer_params; the side channel answers handshakes and lease confirmations,
 notifications complete leases. Decode role: `pull()` returns a `PullHandle` at once; the loop performs
 the handshake on first contact, posts one READ over prepared lists, and confirms the lease.
 
-Threading: one loop thread owns the NIXL agent and every ZMQ socket; other threads only enqueue work
-(`_call`) or read thread-safe state (lease table, handles). The loop never blocks on a peer.
+Threading: the loop thread owns the side-channel server; the NIXL agent and the peers' sockets are used
+only inside a tick, and ticks are serialised by one lock. The loop thread runs them; the engine's own thread
+may run one too (`drive`) when the loop is not in one, so that a pull is posted and finished without
+waiting for the interpreter to switch threads (a Python engine loop holds the GIL between its waits).
+Other threads only enqueue work (`_call`) or read thread-safe state (lease table, handles). No tick
+blocks on a peer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import zmq
@@ -36,6 +41,8 @@ from kvconnect.core.pull import Pull, PullHandle, PullStats
 from kvconnect.core.snapshot import ConnectorSnapshot, Counters
 
 log = logging.getLogger(__name__)
+
+DRIVEN_S = 0.05  # a caller that drove within this long is still driving: the loop thread does not spin
 
 
 class KVConnector:
@@ -106,6 +113,10 @@ class KVConnector:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._stop = threading.Event()
+        self._tick_lock = threading.Lock()  # one tick at a time, on the loop thread or a driving thread
+        self._gate = threading.Lock()  # held by `hold_loop` (fault injection): the loop thread waits at it
+        self._driven_until = 0.0  # while a caller drives, the loop backs off instead of spinning
+        self._device_index = cache.regions[0].device.index if self.spec.device == "cuda" else None
         self._thread = threading.Thread(target=self._run, name=f"kvc-loop-{self.engine_id}", daemon=True)
         self._thread.start()
         if not config.confirm_reads:
@@ -243,6 +254,8 @@ class KVConnector:
         if self._stop.is_set():
             raise KVConnectError("connector is closed")
         self._inbox.put(fn)
+        if time.monotonic() < self._driven_until:
+            return  # the driving thread runs it at its next `drive` (the loop thread at its next tick)
         try:
             os.write(self._wake_w, b"\0")  # wake the loop now, not at its next tick
         except BlockingIOError:  # the pipe is full: a wake-up is pending anyway
@@ -262,24 +275,64 @@ class KVConnector:
         poller.register(self._wake_r, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                ready = dict(poller.poll(0 if self._decode.busy() else tick_ms))
+                spin = self._decode.busy() and time.monotonic() >= self._driven_until
+                ready = dict(poller.poll(0 if spin else tick_ms))
                 if self._wake_r in ready:
                     try:
                         os.read(self._wake_r, 4096)
                     except BlockingIOError:
                         pass
-                if self._server.sock in ready:
-                    self._server.poll(0)
-                while True:
-                    try:
-                        self._inbox.get_nowait()()
-                    except queue.Empty:
-                        break
-                self._drain_notifs()
-                self._decode.progress()
-                self._leases.expire()
+                with self._gate, self._tick_lock:
+                    if self._server.sock in ready:
+                        self._server.poll(0)
+                    self._tick()
             except Exception:  # keep serving; the failing pull or message was already answered
                 log.exception("kvconnect loop iteration failed")
+
+    def _tick(self) -> None:
+        """Queued work, notifications, the pulls' progress and lease expiry (under `_tick_lock`)."""
+        while True:
+            try:
+                self._inbox.get_nowait()()
+            except queue.Empty:
+                break
+        self._drain_notifs()
+        self._decode.progress()
+        self._leases.expire()
+
+    def drive(self) -> bool:
+        """Run one tick on the calling thread, unless a tick is running now; never blocks, never raises.
+
+        An engine calls this from its own step loop (the vLLM plug-in does, at every step): pulls it started
+        are then posted, polled and confirmed by the thread that holds the GIL anyway, instead of waiting
+        for the interpreter to hand it to the loop thread (up to its 5 ms switch interval while the engine
+        runs Python). While a caller drives, the loop thread stops spinning and ticks at `poll_interval_s`.
+        A CUDA cache is driven only from a thread whose current device is the cache's. Returns whether a
+        tick ran."""
+        if self._stop.is_set() or not self._on_cache_device() or not self._tick_lock.acquire(blocking=False):
+            return False
+        try:
+            self._driven_until = time.monotonic() + DRIVEN_S
+            self._tick()
+        except Exception:
+            log.exception("kvconnect tick failed on a driving thread")
+        finally:
+            self._tick_lock.release()
+        return True
+
+    def _on_cache_device(self) -> bool:
+        if self._device_index is None:
+            return True
+        import torch
+
+        return bool(torch.cuda.current_device() == self._device_index)
+
+    @contextlib.contextmanager
+    def hold_loop(self) -> Iterator[None]:
+        """Fault injection: the loop thread makes no tick while this is held (the side channel is not
+        served either); only `drive` moves work."""
+        with self._gate:
+            yield
 
     def _place_thread(self) -> None:
         """Run this I/O thread on `loop_cpus`, by default on any CPU the process may use rather than the
@@ -318,10 +371,11 @@ class KVConnector:
             return
         self._stop.set()
         self._thread.join(timeout=10)
-        self._decode.close()
-        self._server.close()
-        self._agent.close()
-        self._ctx.term()
+        with self._tick_lock:  # (a driving thread may be in a tick)
+            self._decode.close()
+            self._server.close()
+            self._agent.close()
+            self._ctx.term()
         os.close(self._wake_r)
         os.close(self._wake_w)
 

@@ -5,6 +5,8 @@ allocated, driven by the scheduler's step orders.
   NIXL; this rank's side channel listens on the group's base port + TP rank.
 - `on_orders` (bound before each step's forward): grant leases, release leases nobody will read, start
   pulls. A pull reads only the blocks the local prefix cache missed: the tail of the prefill's block list.
+- both drive the connector (`KVConnector.drive`): this thread, which holds the GIL while vLLM steps, posts
+  and finishes the pulls itself rather than waiting for the interpreter to switch to the loop thread.
 - `results` (after each step): on a step with nothing to compute (vLLM keeps stepping while a transfer or
   a lease is pending) it first waits up to `IDLE_WAIT_S` for one to end, so a waiting engine polls
   instead of spinning two processes at 100 %; then it reports pulls that are usable, or failed and
@@ -99,6 +101,7 @@ class WorkerSide:
             self._release(raw)
         for order in orders.pulls:
             self._start(order)
+        conn.drive()  # post the new pulls now, on this thread (see KVConnector.drive)
 
     def _release(self, raw: dict[str, Any]) -> None:
         try:
@@ -145,6 +148,8 @@ class WorkerSide:
 
     def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
+        if self.connector is not None:
+            self.connector.drive()
         if self._idle and (self._loads or self._leased) and not finished_req_ids:
             self._changed.wait(IDLE_WAIT_S)
         self._changed.clear()

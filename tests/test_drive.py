@@ -1,0 +1,88 @@
+"""The engine's own thread drives the connector (`KVConnector.drive`): pulls are posted, polled and confirmed
+by whichever thread ticks, one tick at a time. Real NIXL between this process and a prefill process; the
+loop thread is held (`hold_loop`) so that only the driving thread can move a pull."""
+
+from __future__ import annotations
+
+import threading
+
+import msgspec
+import pytest
+
+from kvconnect.core.cache import KVCache
+from kvconnect.core.config import connector_config
+from kvconnect.core.connector import KVConnector
+from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.testing.net import poll_until
+from kvconnect.testing.prefill import PrefillProcess
+
+SPEC = CacheSpec(kind=LayoutKind.CROSS_LAYER, num_blocks=16, dtype="float16", num_layers=2, block_size=16,
+                 num_kv_heads=2, head_dim=32)
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    pre = PrefillProcess.start(SPEC, seed=11)
+    yield pre
+    pre.stop()
+
+
+def decoder() -> KVConnector:
+    return KVConnector(KVCache.allocate(SPEC), connector_config({}, side_channel_host="127.0.0.1"))
+
+
+def test_a_driving_thread_completes_a_pull_while_the_loop_thread_is_held(prefill: PrefillProcess) -> None:
+    params = prefill.lease("driven", [3, 7, 8])
+    with decoder() as dec, dec.hold_loop():
+        handle = dec.pull(params, [0, 5, 6])
+        ticks = []
+        poll_until(lambda: ticks.append(dec.drive()) or handle.done(), what="the driven pull ended")
+        handle.wait(0)  # raises the pull's error, if it failed
+        assert all(ticks)  # nothing else was ticking: every drive ran one
+        for local, remote in zip([0, 5, 6], [3, 7, 8], strict=True):
+            assert dec.cache.block_bytes(local) == prefill.ask("block", remote)
+    assert prefill.settle("driven", 20) == "completed"
+
+
+def test_drive_never_waits_for_a_tick_in_progress() -> None:
+    entered, leave = threading.Event(), threading.Event()
+    with decoder() as dec:
+        dec._call(lambda: (entered.set(), leave.wait(30)))  # the loop thread blocks inside its tick
+        poll_until(entered.is_set, what="the loop thread entered its tick")
+        try:
+            assert dec.drive() is False
+        finally:
+            leave.set()
+        poll_until(dec.drive, what="a tick once the loop's one ended")
+
+
+def test_the_vllm_worker_side_drives_its_pulls_from_the_engine_thread() -> None:
+    """The plug-in's worker drives the connector in `on_orders` and `results`: with the loop thread held, a
+    load still finishes through vLLM's own step calls alone."""
+    from kvconnect.testing.vllm_shapes import packed_views
+    from kvconnect.vllm.metadata import PullOrder, StepOrders
+    from kvconnect.vllm.worker import WorkerSide
+
+    pre = PrefillProcess.launch()
+    try:
+        pre.wait_started()
+        geometry = dict(layers=2, blocks=12, heads=2, tokens=32, head_dim=32, page="vllm:cpu-vec")
+        pre.setup_views("LBHNC", geometry, 4)
+        pre.wait_setup()
+        params = msgspec.to_builtins(pre.lease("worker-driven", [2, 9], 64))
+        views, _ = packed_views("LBHNC", 2, 12, 2, 32, 32, seed=1)
+        worker = WorkerSide(connector_config({}, side_channel_host="127.0.0.1"), tp_rank=0, total_kv_heads=2)
+        worker.register(views, num_blocks=12, block_size=32, tp_size=1, page="vllm:cpu-vec")
+        conn = worker.connector
+        assert conn is not None
+        try:
+            with conn.hold_loop():
+                worker.on_orders(StepOrders(pulls=[PullOrder("worker-driven", params, [4, 1], 64, 0)], idle=True))
+                done = poll_until(lambda: worker.results(set())[1], what="the load was reported")
+            assert done == {"worker-driven"} and not worker.load_errors()
+            for local, remote in zip([4, 1], [2, 9], strict=True):
+                assert conn.cache.block_bytes(local) == pre.ask("block", remote)
+        finally:
+            worker.close()
+    finally:
+        pre.stop()
