@@ -13,6 +13,7 @@ import torch
 
 from kvconnect.core.config import connector_config
 from kvconnect.core.connector import KVConnector
+from kvconnect.testing.net import poll_until
 from kvconnect.testing.prefill import PrefillProcess
 from kvconnect.testing.vllm_shapes import make_views
 from kvconnect.vllm.layout import describe
@@ -162,3 +163,31 @@ def test_flash_attention_reads_the_pulled_cache_in_place(transport: str, block_s
             w = torch.softmax(torch.einsum("hd,nhd->hn", q[s, 0].float(), k) * D ** -0.5, dim=-1)
             exact = torch.einsum("hn,nhd->hd", w, v)
             torch.testing.assert_close(pulled[s, 0].float(), exact, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("transport", ["nixl", "ipc"])
+def test_a_driven_pull_of_a_vram_cache_completes_on_the_calling_thread(transport: str) -> None:
+    """As vLLM's worker does: the thread whose current device is the cache's drives the pull (`drive`) while
+    the loop thread is held; a thread on another device is refused a tick (its CUDA context is not the
+    cache's)."""
+    prefill_dev, decode_dev = devices()
+    pre = start_prefill("LBHNC", prefill_dev, transport)
+    try:
+        torch.cuda.set_device(torch.device(decode_dev))
+        views, d, dec = decode_side("LBHNC", decode_dev, transport=transport)
+        with dec, dec.hold_loop():
+            request_id = f"d-{uuid.uuid4().hex[:8]}"
+            handle = dec.pull(pre.lease(request_id, [7, 3, 50]), [0, 9, 2])
+            ticks: list[bool] = []
+            poll_until(lambda: ticks.append(dec.drive()) or handle.done(), timeout_s=60, what="the driven pull")
+            handle.wait(0)
+            assert all(ticks)
+            assert handle.stats.transport == transport
+            for lid, rid in zip([0, 9, 2], [7, 3, 50], strict=True):
+                assert d.cache.block_bytes(lid) == pre.ask("block", rid)
+            if torch.cuda.device_count() > 1:
+                other = 1 - torch.device(decode_dev).index
+                with torch.cuda.device(other):
+                    assert dec.drive() is False
+    finally:
+        pre.stop()
