@@ -145,10 +145,15 @@ def test_edited_block_ids_are_refused_naming_the_field_and_both_leases_survive(c
 def test_other_edited_params_are_refused_naming_the_field(c: VllmCluster, field: str, value: Any) -> None:
     prompt = prompt_of(200, seed=9)
     released = metric(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome="released")
-    refused_as(c, prompt, {**prefill_leg(c, prompt), field: value}, field)
+    params = prefill_leg(c, prompt)
+    refused_as(c, prompt, {**params, field: value}, field)
     if field != "remote_port":  # (a refused request still names its lease: it is freed at once, not at the TTL)
         poll_until(lambda: metric(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome="released")
                    == released + 1, timeout_s=TTL_S / 2, what="the refused request's lease released")
+    else:  # a port that names no side channel cannot be released through: the lease is intact, and read
+        completed = ended(c)["completed"]
+        assert decode_leg(c, "decode", prompt, params)["status"] == 200
+        poll_until(lambda: ended(c)["completed"] == completed + 1, what="the intact lease read")
 
 
 def ended(c: VllmCluster) -> dict[str, float]:
