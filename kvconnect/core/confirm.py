@@ -1,6 +1,6 @@
 """Fail closed: a pull's data counts only if the prefill's lease held until its transfer ended.
 
-Decode side, loop thread. Two ways to know, per pull:
+Decode side, inside the connector's ticks. Two ways to know, per pull:
 
 - **pin** (`pin_reads`, the default): just before the transfer is posted, ask the prefill to keep the blocks for
   this reader until it confirms (or until the pull's deadline). A HELD answer means no lease end can

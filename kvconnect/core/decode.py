@@ -1,6 +1,6 @@
 """Decode side of a connector: pulls driven from request to usable blocks.
 
-Runs on the connector's loop thread (except `prepare`, which only validates). Each pull goes
+Runs inside the connector's ticks (except `prepare`, which only validates). Each pull goes
 WAIT_PEER -> POSTED -> CONFIRMING -> DONE, or FAILED from any of them (`pull.PullPhase`):
 
 - WAIT_PEER: the peer (`peers.py`) is handshaking; a pull naming another incarnation, or a disconnect,
@@ -49,7 +49,7 @@ from kvconnect.core.staging import place, reserve
 
 log = logging.getLogger(__name__)
 
-# on_done(stats of the request, its error or None): once per request, on the loop thread
+# on_done(stats of the request, its error or None): once per request, inside a tick
 DoneCallback = Callable[[Pull, KVConnectError | None], None]
 
 
@@ -72,7 +72,7 @@ class DecodeSide:
 
     def prepare(self, params: KVTransferParams, local_block_ids: Sequence[int],
                 request_id: str | None) -> tuple[PullHandle, Callable[[], None]]:
-        """Validate a pull; returns its handle and the function that starts it on the loop thread."""
+        """Validate a pull; returns its handle and the function that starts it at the next tick."""
         pull = Pull.from_params(params, local_block_ids, request_id, self._cache.spec, self._config.pull_timeout_s)
         if not self._allowed.allows(pull.remote_host):  # before any connection is made
             raise InvalidRequestError("kv_transfer_params.remote_host", f"{pull.remote_host!r} is not an allowed "
@@ -96,7 +96,7 @@ class DecodeSide:
 
         return pull.handle, start
 
-    # --- loop thread -------------------------------------------------------------------------------
+    # --- inside a tick -----------------------------------------------------------------------------
 
     def busy(self) -> bool:
         """True while a transfer or a confirmation is in flight: the loop then spins instead of sleeping."""

@@ -1,9 +1,9 @@
 """One pull from request to usable blocks: phases, deadline, stats, and the caller's handle.
 
-The connector's loop thread owns `Pull` objects and moves them through `PullPhase`; callers on any
-thread hold a `PullHandle` and either poll it or wait on it. A pull reaches exactly one terminal phase,
-and only DONE means the bytes in the local blocks are the remote ones, read while the remote lease
-was held.
+The connector's ticks (on its loop thread, or on a thread driving it) own `Pull` objects and move them
+through `PullPhase`; callers on any thread hold a `PullHandle` and either poll it or wait on it. A pull
+reaches exactly one terminal phase, and only DONE means the bytes in the local blocks are the remote
+ones, read while the remote lease was held.
 """
 
 from __future__ import annotations

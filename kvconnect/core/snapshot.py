@@ -9,7 +9,7 @@ import msgspec
 
 @dataclass
 class Counters:
-    """Monotonic counters; written by the connector's loop thread only."""
+    """Monotonic counters; written only inside a connector tick (loop thread or a driving thread)."""
 
     pulls_ok: int = 0
     pull_failures: dict[str, int] = field(default_factory=dict)  # by error class

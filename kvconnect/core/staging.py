@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 class StagingPool:
-    """A staging cache and its free blocks (loop thread only)."""
+    """A staging cache and its free blocks (touched only inside a connector tick)."""
 
     def __init__(self, spec: CacheSpec) -> None:
         self.cache = KVCache.allocate(spec)
