@@ -42,7 +42,8 @@ from kvconnect.core.snapshot import ConnectorSnapshot, Counters
 
 log = logging.getLogger(__name__)
 
-DRIVEN_S = 0.05  # a caller that drove within this long is still driving: the loop thread does not spin
+DRIVEN_S = 0.05  # a caller that drove within this long is still driving: the loop thread leaves the ticks to it
+DRIVEN_TICK_MS = 10  # ... and wakes this often to see whether it still does (or at once for the side channel)
 
 
 class KVConnector:
@@ -275,13 +276,15 @@ class KVConnector:
         poller.register(self._wake_r, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                spin = self._decode.busy() and time.monotonic() >= self._driven_until
-                ready = dict(poller.poll(0 if spin else tick_ms))
+                driven = time.monotonic() < self._driven_until
+                ready = dict(poller.poll(DRIVEN_TICK_MS if driven else 0 if self._decode.busy() else tick_ms))
                 if self._wake_r in ready:
                     try:
                         os.read(self._wake_r, 4096)
                     except BlockingIOError:
                         pass
+                if self._server.sock not in ready and time.monotonic() < self._driven_until:
+                    continue  # the driving thread ticks: a tick here would hold the lock while it waits for the GIL
                 with self._gate, self._tick_lock:
                     if self._server.sock in ready:
                         self._server.poll(0)
@@ -306,7 +309,8 @@ class KVConnector:
         An engine calls this from its own step loop (the vLLM plug-in does, at every step): pulls it started
         are then posted, polled and confirmed by the thread that holds the GIL anyway, instead of waiting
         for the interpreter to hand it to the loop thread (up to its 5 ms switch interval while the engine
-        runs Python). While a caller drives, the loop thread stops spinning and ticks at `poll_interval_s`.
+        runs Python). While a caller drives (it did within `DRIVEN_S`), the loop thread ticks only to serve the
+        side channel, and takes over again once the caller stops.
         A CUDA cache is driven only from a thread whose current device is the cache's. Returns whether a
         tick ran."""
         if self._stop.is_set() or not self._on_cache_device() or not self._tick_lock.acquire(blocking=False):

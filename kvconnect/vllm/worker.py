@@ -5,21 +5,24 @@ allocated, driven by the scheduler's step orders.
   NIXL; this rank's side channel listens on the group's base port + TP rank.
 - `on_orders` (bound before each step's forward): grant leases, release leases nobody will read, start
   pulls. A pull reads only the blocks the local prefix cache missed: the tail of the prefill's block list.
-- both drive the connector (`KVConnector.drive`): this thread, which holds the GIL while vLLM steps, posts
-  and finishes the pulls itself rather than waiting for the interpreter to switch to the loop thread.
+- both drive the connector (`KVConnector.drive`) while this rank has pulls or leases: this thread, which
+  holds the GIL while vLLM steps, posts and finishes the pulls itself rather than waiting for the
+  interpreter to switch to the loop thread.
 - `results` (after each step): on a step with nothing to compute (vLLM keeps stepping while a transfer or
-  a lease is pending) it first waits up to `IDLE_WAIT_S` for one to end, so a waiting engine polls
-  instead of spinning two processes at 100 %; then it reports pulls that are usable, or failed and
-  settled (their blocks are reported as load errors so vLLM's failure policy applies; a failed pull
-  whose READ may still land is held back until it cannot, so vLLM never reuses or recomputes into blocks
-  a late write could hit), and leases that ended (their requests' blocks may be freed). A request vLLM
-  finished while its pull ran (abort) has the pull cancelled; it is reported once its blocks are safe.
+  a lease is pending) it first waits up to `IDLE_WAIT_S` for one to end, driving the connector every
+  `DRIVE_EVERY_S`, so a waiting engine polls instead of spinning two processes at 100 %; then it reports
+  pulls that are usable, or failed and settled (their blocks are reported as load errors so vLLM's
+  failure policy applies; a failed pull whose READ may still land is held back until it cannot, so vLLM
+  never reuses or recomputes into blocks a late write could hit), and leases that ended (their requests'
+  blocks may be freed). A request vLLM finished while its pull ran (abort) has the pull cancelled; it is
+  reported once its blocks are safe.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +42,7 @@ from kvconnect.vllm.stats import KVConnectStats
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.005  # an idle step's wait for a lease or pull to end (it returns as soon as one does)
+DRIVE_EVERY_S = 0.0005  # ... during which it drives the connector this often
 
 
 @dataclass
@@ -101,7 +105,8 @@ class WorkerSide:
             self._release(raw)
         for order in orders.pulls:
             self._start(order)
-        conn.drive()  # post the new pulls now, on this thread (see KVConnector.drive)
+        if orders.pulls:
+            conn.drive()  # post the new pulls now, on this thread (see KVConnector.drive)
 
     def _release(self, raw: dict[str, Any]) -> None:
         try:
@@ -148,10 +153,13 @@ class WorkerSide:
 
     def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
-        if self.connector is not None:
-            self.connector.drive()
-        if self._idle and (self._loads or self._leased) and not finished_req_ids:
-            self._changed.wait(IDLE_WAIT_S)
+        conn = self.connector
+        if conn is not None and (self._loads or self._leased):
+            conn.drive()
+            if self._idle and not finished_req_ids:  # wait a little for one to end, driving it meanwhile
+                deadline = time.monotonic() + IDLE_WAIT_S
+                while not self._changed.wait(DRIVE_EVERY_S) and time.monotonic() < deadline:
+                    conn.drive()
         self._changed.clear()
         self._seen_finished |= finished_req_ids & self._leased
         recving, failed = set(), set()
