@@ -116,7 +116,7 @@ class KVConnector:
         self._stop = threading.Event()
         self._tick_lock = threading.Lock()  # one tick at a time, on the loop thread or a driving thread
         self._gate = threading.Lock()  # held by `hold_loop` (fault injection): the loop thread waits at it
-        self._driven_until = 0.0  # while a caller drives, the loop backs off instead of spinning
+        self._driven_until = 0.0  # until then a caller is driving: the loop thread leaves the ticks to it
         self._device_index = cache.regions[0].device.index if self.spec.device == "cuda" else None
         self._thread = threading.Thread(target=self._run, name=f"kvc-loop-{self.engine_id}", daemon=True)
         self._thread.start()
@@ -306,13 +306,12 @@ class KVConnector:
     def drive(self) -> bool:
         """Run one tick on the calling thread, unless a tick is running now; never blocks, never raises.
 
-        An engine calls this from its own step loop (the vLLM plug-in does, at every step): pulls it started
-        are then posted, polled and confirmed by the thread that holds the GIL anyway, instead of waiting
-        for the interpreter to hand it to the loop thread (up to its 5 ms switch interval while the engine
-        runs Python). While a caller drives (it did within `DRIVEN_S`), the loop thread ticks only to serve the
-        side channel, and takes over again once the caller stops.
-        A CUDA cache is driven only from a thread whose current device is the cache's. Returns whether a
-        tick ran."""
+        An engine calls this from its own step loop (the vLLM plug-in does, at each step while it has pulls
+        or leases): the pulls it started are then posted, polled and confirmed by the thread that holds the
+        GIL anyway, instead of waiting for the interpreter to hand it to the loop thread (up to its 5 ms
+        switch interval while the engine runs Python). While a caller drives (it did within `DRIVEN_S`), the
+        loop thread ticks only to serve the side channel, and takes over again once the caller stops. A CUDA
+        cache is driven only from a thread whose current device is the cache's. Returns whether a tick ran."""
         if self._stop.is_set() or not self._on_cache_device() or not self._tick_lock.acquire(blocking=False):
             return False
         try:
