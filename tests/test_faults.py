@@ -14,6 +14,7 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvconnect.testing.cluster import Cluster, complete
@@ -249,6 +250,21 @@ def test_decode_refusing_a_request_releases_its_lease_at_once(cluster: Cluster) 
     assert metric(cluster.urls["prefill"], "kvconnect_leases_ended", outcome="released") == released + 1
 
 
+@pytest.mark.parametrize("patch", [{"max_tokens": 0}, {"stream": "yes"}], ids=["max_tokens", "stream"])
+def test_a_body_only_the_decode_refuses_has_the_proxy_release_the_lease(cluster: Cluster, patch: dict) -> None:
+    """The prefill leg overrides max_tokens and stream, so such a body passes it and leases blocks; the decode
+    then refuses it. The proxy frees the lease at once, not at its TTL."""
+    urls = cluster.urls
+    released = metric(urls["prefill"], "kvconnect_leases_ended", outcome="released")
+    by_proxy = metric(urls["proxy"], RELEASES, reason="decode_refused", state="released")
+    r = httpx.post(urls["proxy"] + "/v1/completions", json={"prompt": PROMPT, **patch}, timeout=60)
+    assert r.status_code >= 400, r.text
+    poll_until(lambda: metric(urls["proxy"], RELEASES, reason="decode_refused", state="released") == by_proxy + 1,
+               what="the proxy released the refused request's lease")
+    poll_until(lambda: idle(urls["prefill"]), timeout_s=TTL_S / 2, what="prefill blocks back")
+    assert metric(urls["prefill"], "kvconnect_leases_ended", outcome="released") == released + 1
+
+
 def test_lease_expired_before_the_pull_fails_closed(cluster: Cluster, expected: list[int]) -> None:
     """(4): the lease is force-expired and its blocks scribbled over (as reuse would) before the pull."""
     urls = cluster.urls
@@ -373,7 +389,7 @@ def test_pull_waiting_on_a_peer_that_moved_fails_instead_of_hanging() -> None:
             dead_port = s.getsockname()[1]  # the old incarnation's address: nobody answers there now
         with decoder(LayoutKind.BLOCKS_FIRST, handshake_timeout_s=30) as dec:
             stale = KVTransferParams(do_remote_prefill=True, remote_engine_id="moving", remote_block_ids=[1],
-                                     remote_host="127.0.0.1", remote_port=dead_port, remote_request_id="old")
+                                     remote_host="127.0.0.1", remote_port=dead_port, remote_request_id="old", remote_lease_id="lease-old")
             waiting = dec.pull(stale, [0])
             dec.wait_idle()  # its handshake is under way
             dec.pull(pre.lease("new", [2]), [1]).wait(20)  # the same engine, at its new address

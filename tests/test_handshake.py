@@ -24,7 +24,7 @@ INFO = p.PeerInfo(p.PROTOCOL_VERSION, "srv", "inc-1", "agent", b"metadata", SPEC
 def handler(msg: p.Request) -> p.Reply:
     if isinstance(msg, p.Hello):
         return INFO
-    return p.LeaseReply(msg.request_id, p.LeaseState.COMPLETED, "inc-1", seq=msg.seq)
+    return p.LeaseReply(msg.lease_id, p.LeaseState.COMPLETED, "inc-1", seq=msg.seq)
 
 
 class Running:

@@ -17,6 +17,7 @@ import torch
 
 from kvconnect.core.hetero import plan_sources
 from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.lease import new_lease_id
 from kvconnect.testing.net import free_port_run
 from kvconnect.testing.prefill import PrefillProcess, reference_kv
 from tests.faultkit import poll_until
@@ -74,7 +75,8 @@ def run_group(case: str, device_of: Callable[[str, int], str]) -> list[dict]:
                                      hetero_path="auto" if path == "staging" else path)
             stack.callback(proc.stop)
             decode.append(proc)
-        params = [proc.lease("req-1", p_ids) for proc in prefill]
+        lease_id = new_lease_id()  # one id for the prefill's TP group
+        params = [proc.lease("req-1", p_ids, None, lease_id) for proc in prefill]
         assert {x.remote_port for x in params} == {base}  # every rank names the group's base port
         wire = msgspec.json.encode(msgspec.structs.replace(params[0], remote_num_tokens=TOKENS))
         for proc in decode:
@@ -101,7 +103,7 @@ def test_tp_size_that_cannot_split_the_heads_is_refused_naming_it() -> None:
         proc = PrefillProcess.start(spec(LayoutKind.CROSS_LAYER, 1, 0, 4, 16, "NHD", 8), engine_id="dec")
         stack.callback(proc.stop)
         params = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_block_ids": [1],
-                  "remote_host": "127.0.0.1", "remote_port": 5999, "remote_request_id": "x", "tp_size": 3}
+                  "remote_host": "127.0.0.1", "remote_port": 5999, "remote_request_id": "x", "remote_lease_id": "lease-x", "tp_size": 3}
         answer = proc.ask("pull", msgspec.json.encode(params), [0], timeout_s=30)
         assert answer[:2] == ("failed", "InvalidRequestError")
         assert "kv_transfer_params.tp_size" in answer[2] and "tp_size 3 does not divide the model's 4 KV heads" in \

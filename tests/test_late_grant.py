@@ -13,6 +13,7 @@ from kvconnect.core.config import connector_config
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.errors import LeaseLostError
 from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.lease import new_lease_id
 from kvconnect.testing.prefill import PrefillProcess
 from tests.faultkit import poll_until
 
@@ -36,7 +37,8 @@ def not_granted_yet(pre: PrefillProcess, request_id: str, block_ids: list[int]):
     warm = rid()
     params = pre.lease(warm, [23])
     pre.release(warm)
-    return msgspec.structs.replace(params, remote_request_id=request_id, remote_block_ids=block_ids)
+    return msgspec.structs.replace(params, remote_request_id=request_id, remote_block_ids=block_ids,
+                                   remote_lease_id=new_lease_id())
 
 
 def decoder(**config) -> KVConnector:
@@ -53,7 +55,7 @@ def test_a_pull_posted_before_the_grant_succeeds_once_the_lease_is_granted(late_
         handle = dec.pull(params, [1, 2])
         poll_until(lambda: pre.ask("unknown") > before, what="the prefill was asked about the lease")
         assert handle.poll() is None  # still waiting for the grant, not failed
-        pre.lease(request_id, [4, 5])
+        pre.lease(request_id, [4, 5], lease_id=params.remote_lease_id)
         handle.wait(20)
         assert dec.cache.block_bytes(2) == pre.ask("block", 5)
         poll_until(lambda: pre.ask("state", request_id) == "completed", what="lease completed by the reader")
@@ -86,6 +88,6 @@ def test_a_release_that_arrives_before_the_grant_frees_the_blocks_at_the_grant(l
         before = pre.ask("unknown")
         dec.release_remote(params)  # the decode aborted before the prefill's next step
         poll_until(lambda: pre.ask("unknown") > before, what="the release reached the prefill")
-    pre.lease(request_id, [7, 8])
+    pre.lease(request_id, [7, 8], lease_id=params.remote_lease_id)
     assert pre.ask("state", request_id) == "released"
     assert {7, 8} <= set(pre.ask("freed"))

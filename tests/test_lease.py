@@ -49,17 +49,79 @@ def test_unread_lease_expires_after_ttl() -> None:
 def test_release_and_double_grant() -> None:
     t, clock, freed = table()
     t.grant("a", [1, 2])
-    with pytest.raises(LeaseError, match="already holds"):
+    with pytest.raises(LeaseError, match="already in use"):
         t.grant("a", [7])
-    with pytest.raises(LeaseError, match="already leased"):
-        t.grant("b", [2, 3])
     with pytest.raises(LeaseError, match="duplicated"):
         t.grant("c", [4, 4])
     assert t.release("a") is LeaseState.RELEASED
-    t.grant("b", [2, 3])  # blocks reusable after release
+    with pytest.raises(LeaseError, match="already in use"):  # ended, but remembered: never granted again
+        t.grant("a", [2, 3])
+    t.grant("b", [2, 3])
     assert t.release("nope") is LeaseState.UNKNOWN
     assert t.counts[LeaseState.RELEASED] == 1 and t.counts[LeaseState.HELD] == 1
     assert freed == [1, 2]
+
+
+def test_regranting_an_id_whose_pinned_lease_ended_is_refused_and_its_blocks_go_back() -> None:
+    """A lease that ended while pinned frees its blocks when the pin goes; a grant of the same id meanwhile
+    used to overwrite it, and its blocks were never handed back."""
+    t, clock, freed = table()
+    t.grant("a", [1, 2, 3])
+    assert t.pin("a", 0, 5, token=b"t") is LeaseState.HELD
+    assert t.release("a") is LeaseState.RELEASED and freed == []
+    with pytest.raises(LeaseError, match="already in use"):
+        t.grant("a", [4])
+    clock.now += 6  # the pin's deadline
+    t.expire()
+    assert freed == [1, 2, 3] and t.num_blocks_held == 0
+
+
+def test_leases_may_share_blocks_and_a_block_goes_back_with_its_last_holder() -> None:
+    """Prefix caching gives concurrent requests the same prefix blocks: each lease holds them, and one lease's
+    end (release, expiry, completion, a force-expire's scrub) never frees what another still holds."""
+    t, clock, freed = table(ttl=10)
+    scrubbed: list[int] = []
+    t.grant("a", [1, 2, 3])
+    t.grant("b", [1, 2, 4])
+    t.grant("c", [1, 5])
+    assert t.num_blocks_held == 5 and t.num_held == 3
+    assert t.complete("a", token=b"ta") is LeaseState.COMPLETED
+    assert freed == [3]  # 1 and 2 are b's too
+    assert t.force_expire("b", scrub=scrubbed.extend) is LeaseState.EXPIRED
+    assert freed == [3, 2, 4] and scrubbed == [2, 4]  # never block 1: c still holds it
+    assert t.blocks_problem("c", [1, 5]) == "" and t.state("c") is LeaseState.HELD
+    clock.now += 11
+    assert [x.request_id for x in t.expire()] == ["c"]
+    assert sorted(freed) == [1, 2, 3, 4, 5] and t.num_blocks_held == 0
+
+
+def test_a_lease_completed_by_one_reader_is_consumed_for_every_other() -> None:
+    """Params replayed to a second decode: its token is not the one that read under the lease, so neither its
+    PIN nor its CONFIRM passes, whatever the prefill has put into those blocks since."""
+    t, clock, freed = table()
+    t.grant("a", [1, 2])
+    assert t.pin("a", 0, 5, token=b"A") is LeaseState.HELD
+    assert t.pin("a", 0, 5, token=b"B") is LeaseState.CONSUMED  # the slot is A's while it is held
+    assert t.complete("a", 0, token=b"B") is LeaseState.CONSUMED and t.state("a") is LeaseState.HELD
+    assert t.complete("a", 0, token=b"A") is LeaseState.COMPLETED and freed == [1, 2]
+    assert t.complete("a", 0, token=b"A") is LeaseState.COMPLETED  # A's late confirmation learns its outcome
+    for reader in (0, 1):  # anyone else, in any reader slot, after the lease completed
+        assert t.pin("a", reader, 5, token=b"B") is LeaseState.CONSUMED
+        assert t.complete("a", reader, 2, token=b"B") is LeaseState.CONSUMED
+    t.release("a", reader=0, token=b"B")  # a stranger's release changes nothing
+    assert t.state("a") is LeaseState.COMPLETED and freed == [1, 2]
+
+
+def test_a_readers_pin_is_dropped_only_with_its_own_token() -> None:
+    t, clock, freed = table()
+    t.grant("a", [3])
+    assert t.pin("a", 0, 5, token=b"A") is LeaseState.HELD
+    t.release("a", reader=0, token=b"B")  # ends the lease, but cannot drop A's pin
+    assert freed == [] and t.state("a") is LeaseState.RELEASED
+    t.unpin("a", 0, token=b"B")
+    assert freed == []
+    t.release("a", reader=0, token=b"A")
+    assert freed == [3]
 
 
 def test_ttl_must_be_positive() -> None:

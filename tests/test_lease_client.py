@@ -18,6 +18,7 @@ from kvconnect.core.connector import KVConnector
 from kvconnect.core.handshake import request
 from kvconnect.core.hetero import Source
 from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.lease import new_lease_id
 from kvconnect.serving.proxy import Proxy
 from kvconnect.testing.net import free_port_run, poll_until
 
@@ -46,18 +47,19 @@ def group() -> Iterator[list[tuple[KVConnector, list[int]]]]:
 
 def test_the_proxy_releases_every_rank_as_a_non_reader_and_keeps_a_readers_pin(group) -> None:
     (r0, freed0), (r1, freed1) = group
-    params = [conn.lease("req-tp", IDS, 12) for conn, _ in group][0]  # rank 0's params serve the group
-    assert params.tp_size == 2 and params.remote_port == r0.side_channel_port
+    lease_id = new_lease_id()  # one id for the group
+    params = [conn.lease("req-tp", IDS, 12, lease_id) for conn, _ in group][0]  # rank 0's params serve the group
+    assert params.tp_size == 2 and params.remote_port == r0.side_channel_port and params.remote_lease_id == lease_id
     ctx = zmq.Context()
     try:  # decode reader 0 of 1 pins rank 0's lease, as it does when it posts its READ
-        pin = lease_client.pin("decode", "req-tp", Source(0, (0, 1), 0, 1), IDS, 30.0)
+        pin = lease_client.pin("decode", lease_id, Source(0, (0, 1), 0, 1), IDS, 30.0, b"reader-0")
         assert request(ctx, "127.0.0.1", r0.side_channel_port, pin, 5).state is p.LeaseState.HELD
         proxy = Proxy(["http://127.0.0.1:1"], ["http://127.0.0.1:2"])
         asyncio.run(proxy._release("req-tp", msgspec.to_builtins(params), "client_aborted"))
-        assert r0.lease_state("req-tp") is p.LeaseState.RELEASED and r1.lease_state("req-tp") is p.LeaseState.RELEASED
+        assert r0.lease_state(lease_id) is p.LeaseState.RELEASED and r1.lease_state(lease_id) is p.LeaseState.RELEASED
         poll_until(lambda: sorted(freed1) == IDS, what="rank 1's blocks freed")  # nobody read rank 1
         assert freed0 == [] and r0.snapshot().lease_blocks_held == 3  # rank 0's pinned READ keeps its blocks
-        confirm = lease_client.confirm("decode", "req-tp", Source(0, (0, 1), 0, 1), IDS)
+        confirm = lease_client.confirm("decode", lease_id, Source(0, (0, 1), 0, 1), IDS, b"reader-0")
         assert request(ctx, "127.0.0.1", r0.side_channel_port, confirm, 5).state is p.LeaseState.COMPLETED
         poll_until(lambda: sorted(freed0) == IDS, what="rank 0's blocks freed once its reader confirmed")
     finally:
@@ -66,7 +68,8 @@ def test_the_proxy_releases_every_rank_as_a_non_reader_and_keeps_a_readers_pin(g
 
 def test_release_everywhere_names_every_ranks_answer_even_when_one_is_gone(group) -> None:
     (r0, _), (r1, _) = group
-    params = [conn.lease("req-gone", IDS, 12) for conn, _ in group][0]
+    lease_id = new_lease_id()
+    params = [conn.lease("req-gone", IDS, 12, lease_id) for conn, _ in group][0]
     r1.close()  # rank 1 is gone: its answer is an error, rank 0 is still released
     ctx = zmq.Context()
     try:

@@ -20,6 +20,7 @@ GOOD = {
     "remote_port": 5600,
     "remote_request_id": "cmpl-1",
     "tp_size": 1,
+    "remote_lease_id": "Zq3w8W7m0xJ2V9b1kK4d0pQe",
 }
 
 
@@ -31,7 +32,7 @@ def test_vllm_params_parse_and_ignore_unknown_fields() -> None:
 
 
 @pytest.mark.parametrize("missing", ["remote_engine_id", "remote_block_ids", "remote_host", "remote_port",
-                                     "remote_request_id"])
+                                     "remote_request_id", "remote_lease_id"])
 def test_missing_field_is_named(missing: str) -> None:
     body = {k: v for k, v in GOOD.items() if k != missing}
     with pytest.raises(InvalidRequestError) as e:
@@ -45,6 +46,20 @@ def test_mistyped_field_is_named(field: str, value: object) -> None:
     with pytest.raises(InvalidRequestError) as e:
         parse_kv_transfer_params({**GOOD, field: value})
     assert e.value.field.startswith(f"kv_transfer_params.{field}")
+
+
+@pytest.mark.parametrize("tp_size", [0, 65, 1100])
+def test_a_tp_size_outside_the_cap_is_refused_before_anything_is_dialled(tp_size: int) -> None:
+    """A decode releases a lease on every rank the params name: tp_size=1100 once opened 1,100 sockets."""
+    with pytest.raises(InvalidRequestError) as e:
+        parse_kv_transfer_params({**GOOD, "tp_size": tp_size})
+    assert e.value.field == "kv_transfer_params.tp_size"
+
+
+def test_ids_are_bounded() -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        parse_kv_transfer_params({**GOOD, "remote_lease_id": "x" * 300})
+    assert e.value.field == "kv_transfer_params.remote_lease_id"
 
 
 def test_port_range_and_non_object() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import socket
 import time
 import uuid
@@ -21,6 +22,7 @@ from kvconnect.core.errors import (
     InvalidRequestError,
     LayoutMismatchError,
     LeaseLostError,
+    TransferError,
     TransferTimeoutError,
 )
 from kvconnect.core.layout import CacheSpec, LayoutKind
@@ -113,6 +115,39 @@ def test_pull_of_expired_lease_fails_closed(prefills) -> None:
         assert dec.snapshot().pull_failures == {"LeaseLostError": 1}
 
 
+@pytest.mark.parametrize("pin_reads", [True, False], ids=["pinned", "confirmed"])
+def test_params_replayed_to_a_second_decode_after_the_read_are_consumed(prefills, pin_reads) -> None:
+    """Decode A reads a lease and completes it; its blocks go back and hold another request's KV; the same
+    params replayed to decode B (a router retry, a client reaching a decode directly) must not pass as read
+    under the lease: B's read token is not the one that completed it."""
+    pre = prefills[LayoutKind.BLOCKS_FIRST]
+    request_id = rid()
+    params = pre.lease(request_id, [12, 13, 14])
+    with decoder(LayoutKind.BLOCKS_FIRST, pin_reads=pin_reads) as a:
+        a.pull(params, [0, 1, 2]).wait(20)
+    assert pre.settle(request_id, 20) == "completed"
+    pre.ask("overwrite", 13)  # reused by another request
+    with decoder(LayoutKind.BLOCKS_FIRST, pin_reads=pin_reads) as b:
+        with pytest.raises(LeaseLostError, match="consumed"):
+            b.pull(params, [0, 1, 2]).wait(20)
+        assert b.snapshot().pull_failures == {"LeaseLostError": 1}
+
+
+def test_a_pull_whose_start_raises_fails_naming_why_instead_of_vanishing(prefills, monkeypatch) -> None:
+    """An exception inside a pull's start (here: no socket for the peer, as with too many open files) used
+    to escape the loop's tick: the pull was never registered, and its deadline never fired."""
+    pre = prefills[LayoutKind.BLOCKS_FIRST]
+    params = pre.lease(rid(), [20])
+    with decoder(LayoutKind.BLOCKS_FIRST, pull_timeout_s=30.0) as dec:
+        def no_socket(*args, **kwargs):
+            raise zmq.ZMQError(errno.EMFILE)
+
+        monkeypatch.setattr(dec._decode.peers, "new", no_socket)
+        with pytest.raises(TransferError, match="could not start: ZMQError"):
+            dec.pull(params, [0]).wait(10)
+        assert dec.snapshot().pull_failures == {"TransferError": 1}
+
+
 def test_remote_ids_out_of_range_are_refused_before_posting(prefills) -> None:
     pre = prefills[LayoutKind.KV_FIRST]
     with decoder(LayoutKind.KV_FIRST) as dec:
@@ -182,7 +217,7 @@ def test_dead_prefill_address_fails_within_deadline() -> None:
     from kvconnect.core.params import KVTransferParams
 
     params = KVTransferParams(do_remote_prefill=True, remote_engine_id="ghost", remote_block_ids=[1],
-                              remote_host="127.0.0.1", remote_port=port, remote_request_id="r")
+                              remote_host="127.0.0.1", remote_port=port, remote_request_id="r", remote_lease_id="lease-r")
     with decoder(LayoutKind.CROSS_LAYER, handshake_timeout_s=0.5) as dec:
         with pytest.raises(HandshakeTimeoutError, match="ghost"):  # (the caller's own 10 s would raise another)
             dec.pull(params, [0]).wait(10)
@@ -259,7 +294,7 @@ def test_a_pull_ends_by_its_own_deadline_while_its_peer_never_answers() -> None:
     silent.setsockopt(zmq.LINGER, 0)
     port = silent.bind_to_random_port("tcp://127.0.0.1")
     params = KVTransferParams(do_remote_prefill=True, remote_engine_id="mute", remote_block_ids=[1],
-                              remote_host="127.0.0.1", remote_port=port, remote_request_id="r")
+                              remote_host="127.0.0.1", remote_port=port, remote_request_id="r", remote_lease_id="lease-r")
     try:
         with decoder(LayoutKind.CROSS_LAYER, handshake_timeout_s=60, pull_timeout_s=1.0) as dec:
             with pytest.raises(TransferTimeoutError, match="not ready within the pull's deadline"):
@@ -276,7 +311,7 @@ def test_the_peer_allowlist_refuses_a_host_before_any_connection() -> None:
         listener.settimeout(0.5)
         port = listener.getsockname()[1]
         params = KVTransferParams(do_remote_prefill=True, remote_engine_id="p", remote_block_ids=[1],
-                                  remote_host="127.0.0.1", remote_port=port, remote_request_id="r")
+                                  remote_host="127.0.0.1", remote_port=port, remote_request_id="r", remote_lease_id="lease-r")
         with decoder(LayoutKind.CROSS_LAYER, peer_allowlist="10.0.0.0/8, prefill.internal") as dec:
             with pytest.raises(InvalidRequestError) as e:
                 dec.pull(params, [0])

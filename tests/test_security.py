@@ -85,7 +85,7 @@ def test_unauthenticated_peer_gets_no_metadata_and_cannot_release_leases(cluster
         for secret in (b"", b"not-the-secret"):
             with pytest.raises(AuthError):
                 side_request(ctx, "127.0.0.1", port, p.Hello(p.PROTOCOL_VERSION, "intruder"), 5, secret)
-            release = p.LeaseRequest(p.PROTOCOL_VERSION, "intruder", "victim-1", p.LeaseAction.RELEASE)
+            release = p.LeaseRequest(p.PROTOCOL_VERSION, "intruder", params["remote_lease_id"], p.LeaseAction.RELEASE)
             with pytest.raises(AuthError):
                 side_request(ctx, "127.0.0.1", port, release, 5, secret)
         # raw, to see every byte that comes back: an ErrorReply, never a PeerInfo
@@ -102,10 +102,14 @@ def test_unauthenticated_peer_gets_no_metadata_and_cannot_release_leases(cluster
         assert health(cluster.urls["prefill"])["leased_blocks"] == len(params["remote_block_ids"])
         info = side_request(ctx, "127.0.0.1", port, p.Hello(p.PROTOCOL_VERSION, "friend"), 5, SECRET.encode())
         assert isinstance(info, p.PeerInfo) and info.engine_id == "demo-prefill"
-        nameless = p.LeaseRequest(p.PROTOCOL_VERSION, "friend", "victim-1", p.LeaseAction.RELEASE)
+        nameless = p.LeaseRequest(p.PROTOCOL_VERSION, "friend", params["remote_lease_id"], p.LeaseAction.RELEASE)
         reply = side_request(ctx, "127.0.0.1", port, nameless, 5, SECRET.encode())  # names no blocks: refused
         assert isinstance(reply, p.LeaseReply) and reply.state is p.LeaseState.UNKNOWN and "block_ids" in reply.reason
-        release = lease_client.release("friend", "victim-1", params["remote_block_ids"])
+        by_label = lease_client.release("friend", "victim-1", params["remote_block_ids"])  # the request's id
+        reply = side_request(ctx, "127.0.0.1", port, by_label, 5, SECRET.encode())  # is no key to its lease
+        assert isinstance(reply, p.LeaseReply) and reply.state is p.LeaseState.UNKNOWN
+        assert health(cluster.urls["prefill"])["leased_blocks"] == len(params["remote_block_ids"])
+        release = lease_client.release("friend", params["remote_lease_id"], params["remote_block_ids"])
         reply = side_request(ctx, "127.0.0.1", port, release, 5, SECRET.encode())
         assert isinstance(reply, p.LeaseReply) and reply.state is p.LeaseState.RELEASED
         assert idle(cluster.urls["prefill"])
@@ -208,7 +212,7 @@ def test_bad_transfer_params_get_400_naming_the_field_and_nothing_is_read(cluste
     poll_until(lambda: idle(urls["decode"]), what="decode blocks freed")
     ctx = zmq.Context()  # clean up a lease the request did not name well enough for the decode to release
     try:
-        msg = lease_client.release("test", rid, params["remote_block_ids"])
+        msg = lease_client.release("test", params["remote_lease_id"], params["remote_block_ids"])
         reply = side_request(ctx, "127.0.0.1", side_port(cluster), msg, 5, SECRET.encode())
         assert isinstance(reply, p.LeaseReply) and reply.state is p.LeaseState.RELEASED
     finally:
@@ -289,7 +293,7 @@ def test_notification_decoder_fuzz(data: bytes) -> None:
         notif = p.decode_notif(data)
     except ProtocolError:
         return
-    assert isinstance(notif.request_id, str) and isinstance(notif.incarnation_id, str)
+    assert isinstance(notif.lease_id, str) and isinstance(notif.incarnation_id, str)
 
 
 _scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)

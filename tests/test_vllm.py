@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM plug-in tests need vllm (the `vllm` extra)")
@@ -106,6 +107,38 @@ def test_disaggregated_vllm_equals_aggregated_for_every_prompt(c: VllmCluster) -
     assert metric(c.urls["decode"], "vllm:kvconnect_bytes_transferred_sum") > 0
     poll_until(lambda: quiet(c), timeout_s=30, what="every prefill lease ended by its read")
     assert metric(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome="completed") >= len(cases)
+
+
+def tokenize(cluster: VllmCluster, text: str) -> list[int]:
+    r = httpx.post(cluster.urls["aggregated"] + "/tokenize", json={"model": "tiny", "prompt": text,
+                                                                    "add_special_tokens": False}, timeout=30)
+    r.raise_for_status()
+    return r.json()["tokens"]  # type: ignore[no-any-return]
+
+
+def test_concurrent_requests_sharing_a_prefix_share_the_prefills_blocks(c: VllmCluster) -> None:
+    """vLLM's prefix caching (on by default) gives concurrent requests with a common prefix the same physical
+    blocks, so several live leases hold them at once. Four requests through the proxy, one 512-token prefix
+    (16 blocks) and distinct suffixes: each succeeds with the aggregated server's tokens, twice (the second
+    time the decode's own prefix cache holds the prefix, so it pulls only the rest)."""
+    prefix = tokenize(c, prompt_of(800, seed=77))[:512]
+    prompts = [prefix + tokenize(c, prompt_of(40 + 23 * i, seed=300 + i)) for i in range(4)]
+    wants = [reference(c, p) for p in prompts]  # type: ignore[arg-type]
+    warm = generate(c.urls["prefill"], prefix, 1)  # the prefill's prefix cache now holds the shared blocks
+    assert warm["status"] == 200, warm
+    completed = metric(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome="completed")
+    pulled = []
+    for _ in range(2):
+        before = metric(c.urls["decode"], "vllm:kvconnect_bytes_transferred_sum")
+        with cf.ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: generate(c.urls["proxy"], p, MAX_TOKENS), prompts))
+        for i, (r, want) in enumerate(zip(got, wants, strict=True)):
+            assert r["status"] == 200 and r["token_ids"] == want, (i, r)
+        pulled.append(metric(c.urls["decode"], "vllm:kvconnect_bytes_transferred_sum") - before)
+    assert 0 < pulled[1] < pulled[0]
+    poll_until(lambda: quiet(c), timeout_s=30, what="every shared-prefix lease ended by its read")
+    ended = metric(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome="completed") - completed
+    assert ended == 2 * len(prompts)
 
 
 def test_a_decode_prefix_hit_pulls_only_the_missing_blocks(c: VllmCluster) -> None:

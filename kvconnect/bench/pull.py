@@ -29,6 +29,7 @@ from kvconnect.core.config import ConnectorConfig, HeteroPathChoice, TransportCh
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.errors import KVConnectError, TransferError
 from kvconnect.core.hetero import Source
+from kvconnect.core.lease import new_lease_id
 from kvconnect.core.pull import PullHandle, PullStats
 from kvconnect.testing.net import free_port_run
 from kvconnect.testing.prefill import PrefillProcess
@@ -237,7 +238,8 @@ class DecodeCase:
             t.view(torch.uint8).zero_()
         ids = [int(b) for b in remote_ids]
         num_tokens = None if self.shape.plain else self.shape.tokens  # block sizes may differ
-        params = {rank: peer.lease(request_id, ids, num_tokens) for rank, peer in self.peers.items()}
+        lease_id = new_lease_id()  # one lease id for the group: a reader names it on every rank
+        params = {rank: peer.lease(request_id, ids, num_tokens, lease_id) for rank, peer in self.peers.items()}
         _sync(self.device)
         handle = self.connector.pull(params[0], [int(b) for b in local_ids], request_id=request_id)
         stats = handle.wait(self.timeout_s)

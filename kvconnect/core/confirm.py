@@ -79,7 +79,8 @@ class LeaseConfirmation:
         pin_s = max(pull.deadline_s - now, 0.001)
         pull.pin_until_s = now + pin_s  # the prefill pins from when it gets this, so at least until then
         pull.pin = PinState.SENT
-        msg = lease_client.pin(self._engine_id, pull.remote_request_id, pull.source, pull.remote_block_ids, pin_s)
+        msg = lease_client.pin(self._engine_id, pull.lease_id, pull.source, pull.remote_block_ids, pin_s,
+                               pull.read_token)
         peer.confirming[p.ref_of(msg)] = pull
         peer.channel.send(msg)
 
@@ -162,7 +163,7 @@ class LeaseConfirmation:
             return
         src = pull.source
         assert src is not None
-        confirm = lease_client.confirm(self._engine_id, pull.remote_request_id, src, pull.remote_block_ids)
+        confirm = lease_client.confirm(self._engine_id, pull.lease_id, src, pull.remote_block_ids, pull.read_token)
         if pull.pin is PinState.HELD and time.monotonic() < pull.pin_until_s:
             peer.channel.send(confirm)  # ends our pin and, for the last reader, the lease; answer not needed
             pull.handle.stats.confirm_s = time.monotonic() - pull.read_done_s

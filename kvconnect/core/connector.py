@@ -34,7 +34,7 @@ from kvconnect.core.config import ConnectorConfig, TransportChoice
 from kvconnect.core.decode import DecodeSide
 from kvconnect.core.errors import KVConnectError
 from kvconnect.core.handshake import SideChannelServer
-from kvconnect.core.lease import Lease, LeaseTable
+from kvconnect.core.lease import Lease, LeaseTable, new_lease_id
 from kvconnect.core.params import KVTransferParams, validate_block_ids
 from kvconnect.core.peers import PeerSet
 from kvconnect.core.pull import Pull, PullHandle, PullStats
@@ -54,7 +54,7 @@ class KVConnector:
         on_blocks_freed: Callable[[list[int]], None] | None = None,
         on_pull_done: Callable[[PullStats, KVConnectError | None], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
-        on_lease_ended: Callable[[str], None] | None = None,
+        on_lease_ended: Callable[[str, p.LeaseState], None] | None = None,
     ) -> None:
         cache.verify()
         self.cache = cache
@@ -64,7 +64,7 @@ class KVConnector:
         self.incarnation_id = uuid.uuid4().hex
         self._counters = Counters()
         self._on_blocks_freed = on_blocks_freed or (lambda ids: None)
-        self._on_lease_ended = on_lease_ended or (lambda request_id: None)
+        self._on_lease_ended = on_lease_ended or (lambda request_id, state: None)
         self._on_pull_done = on_pull_done
         self._leases = LeaseTable(config.lease_ttl_s, clock, self._blocks_freed, grace_s=config.lease_grace_s)
         self._agent = NixlAgent(
@@ -131,13 +131,17 @@ class KVConnector:
 
     # --- prefill role ------------------------------------------------------------------------------
 
-    def lease(self, request_id: str, block_ids: Sequence[int], num_tokens: int | None = None) -> KVTransferParams:
+    def lease(self, request_id: str, block_ids: Sequence[int], num_tokens: int | None = None,
+              lease_id: str | None = None) -> KVTransferParams:
         """Hold `block_ids` for a remote reader; returns the kv_transfer_params to hand to decode.
 
-        Ranks of a TP group lease the same ids under the same request id and listen on consecutive side
-        channel ports (rank r on base + r); the params name the base port, so rank 0's params serve all."""
+        `request_id` only labels the lease (logs, `on_lease_ended`); the lease's key is `lease_id`, random
+        unless given. Ranks of a TP group lease the same ids under one lease id (the caller draws it with
+        `new_lease_id()`) and listen on consecutive side channel ports (rank r on base + r); the params name
+        the base port, so rank 0's params serve all. Blocks other live leases hold may be leased again."""
         ids = validate_block_ids("block_ids", block_ids, self.spec.num_blocks).tolist()
-        self._leases.grant(request_id, ids)
+        lease_id = lease_id or new_lease_id()
+        self._leases.grant(lease_id, ids, label=request_id)
         return KVTransferParams(
             do_remote_prefill=True,
             remote_engine_id=self.engine_id,
@@ -148,54 +152,61 @@ class KVConnector:
             tp_size=self.spec.tp_size,
             remote_incarnation_id=self.incarnation_id,
             remote_num_tokens=num_tokens,
+            remote_lease_id=lease_id,
         )
 
-    def release(self, request_id: str) -> p.LeaseState:
+    def release(self, lease_id: str) -> p.LeaseState:
         """End a lease now without a read (the request was aborted); returns the state it ended in."""
-        return self._leases.release(request_id)
+        return self._leases.release(lease_id)
 
-    def lease_state(self, request_id: str) -> p.LeaseState:
-        return self._leases.state(request_id)
+    def lease_state(self, lease_id: str) -> p.LeaseState:
+        return self._leases.state(lease_id)
 
-    def held_leases(self) -> list[Lease]:
-        """Copies of the leases still held (operator tooling, fault injection)."""
+    def held_leases(self) -> list[Lease]:  # copies (operator tooling, fault injection)
         return self._leases.held()
 
-    def expire_lease(self, request_id: str, scrub: Callable[[list[int]], None] | None = None) -> p.LeaseState:
+    def expire_lease(self, lease_id: str, scrub: Callable[[list[int]], None] | None = None) -> p.LeaseState:
         """Expire one lease now; `scrub(block_ids)` may overwrite its blocks before they are freed."""
-        return self._leases.force_expire(request_id, scrub)
+        return self._leases.force_expire(lease_id, scrub)
 
-    def expire_next_reads(self, count: int) -> None:
-        """Fault injection: the next `count` reads to finish find their lease expired."""
+    def expire_next_reads(self, count: int) -> None:  # (fault injection: lease.py)
         self._leases.expire_next_reads(count)
 
-    def _blocks_freed(self, request_id: str, block_ids: list[int]) -> None:
+    def _blocks_freed(self, lease: Lease, block_ids: list[int]) -> None:
         try:
-            self._on_blocks_freed(block_ids)
-            self._on_lease_ended(request_id)
+            if block_ids:
+                self._on_blocks_freed(block_ids)
+            self._on_lease_ended(lease.label, lease.state)
         except Exception:
-            log.exception("lease %s: the freed-blocks callback failed for %d blocks", request_id, len(block_ids))
+            log.exception("lease %s: the freed-blocks callback failed for %d blocks", lease.request_id,
+                          len(block_ids))
 
     def _handle(self, msg: p.Request) -> p.Reply:
         """Side-channel requests, on the loop thread."""
         if isinstance(msg, p.Hello):
             return self._peer_info
         self._drain_notifs()  # a notification may be queued behind this request
-        problem = self._leases.blocks_problem(msg.request_id, msg.block_ids)
+        lease_id, peer = msg.lease_id, msg.engine_id[:64]  # (ids come from a peer: logged truncated)
+        problem = self._leases.blocks_problem(lease_id, msg.block_ids)
+        if not problem and msg.action is not p.LeaseAction.RELEASE and not msg.read_token:
+            problem = "read_token: required for a pin or a confirmation"
         if problem:  # names blocks its lease does not hold: refused, the lease left as it is
-            log.warning("lease %s: %s refused from %s: %s", msg.request_id, msg.action.value, msg.engine_id, problem)
-            return p.LeaseReply(msg.request_id, p.LeaseState.UNKNOWN, self.incarnation_id, reason=problem, seq=msg.seq)
+            log.warning("lease %s...: %s refused from %s: %s", lease_id[:8], msg.action.value, peer, problem)
+            return p.LeaseReply(lease_id, p.LeaseState.UNKNOWN, self.incarnation_id, reason=problem, seq=msg.seq)
+        pin_s = min(msg.pin_ms / 1000, self._leases.ttl_s)  # a client-sent pin lasts no longer than a lease
         if msg.action is p.LeaseAction.CONFIRM:
-            state = self._leases.complete(msg.request_id, msg.reader, msg.readers)
+            state = self._leases.complete(lease_id, msg.reader, msg.readers, msg.read_token)
         elif msg.action is p.LeaseAction.PIN:
-            state = self._leases.pin(msg.request_id, msg.reader, msg.pin_ms / 1000)
+            state = self._leases.pin(lease_id, msg.reader, pin_s, msg.read_token)
         else:
-            state = self._leases.release(msg.request_id, msg.reader, msg.block_ids)
+            state = self._leases.release(lease_id, msg.reader, msg.block_ids, msg.read_token)
             if state is p.LeaseState.RELEASED:
-                log.info("lease %s released by %s", msg.request_id, msg.engine_id)
+                log.info("lease %s... released by %s", lease_id[:8], peer)
         if state is p.LeaseState.UNKNOWN:
             self._counters.unknown_lease_requests += 1  # not granted yet (lease_grace_s), forgotten, or made up
-        return p.LeaseReply(msg.request_id, state, self.incarnation_id, seq=msg.seq)
+        elif state is p.LeaseState.CONSUMED:
+            log.warning("lease %s...: %s from %s refused: another reader's", lease_id[:8], msg.action.value, peer)
+        return p.LeaseReply(lease_id, state, self.incarnation_id, seq=msg.seq)
 
     def _drain_notifs(self) -> None:
         for agent_name, messages in self._agent.notifs().items():
@@ -205,12 +216,12 @@ class KVConnector:
                 except KVConnectError as e:
                     log.warning("ignoring malformed notification from %s: %s", agent_name, e)
                     continue
-                if notif.incarnation_id != self.incarnation_id or not self._leases.digest_matches(
-                        notif.request_id, notif.num_blocks, notif.blocks_digest):
+                if notif.incarnation_id != self.incarnation_id or not notif.read_token or \
+                        not self._leases.digest_matches(notif.lease_id, notif.num_blocks, notif.blocks_digest):
                     self._counters.stale_notifs += 1  # another incarnation's, or a read of blocks not leased
                     continue
                 self._counters.notifs += 1
-                self._leases.complete(notif.request_id, notif.reader, notif.readers)
+                self._leases.complete(notif.lease_id, notif.reader, notif.readers, notif.read_token)
 
     # --- decode role -------------------------------------------------------------------------------
 

@@ -90,7 +90,11 @@ class DecodeSide:
 
         def start() -> None:
             for part in parts:
-                self._start(part)
+                try:
+                    self._start(part)
+                except Exception as e:  # e.g. no socket for the peer: this pull fails, naming why
+                    self._fail(part, e if isinstance(e, KVConnectError) else TransferError(
+                        f"pull {part.handle.request_id}: could not start: {type(e).__name__}: {e}"))
             for rank in sources.release_only:
                 self._send_release_to(params, rank)  # copies of heads nobody reads: free them now
 
@@ -178,8 +182,8 @@ class DecodeSide:
         stats.granularity = plan_src.pair.granularity.name
         stats.transport = transport.kind.value
         stats.path = plan_src.path.value
-        notif = p.encode_notif(pull.remote_request_id, info.incarnation_id, pull.source.reader, pull.source.readers,
-                               pull.remote_block_ids.tolist())
+        notif = p.encode_notif(pull.lease_id, info.incarnation_id, pull.source.reader, pull.source.readers,
+                               pull.remote_block_ids.tolist(), pull.read_token)
         self._confirm.pin(peer, pull)  # before posting: the PIN's round trip runs while the transfer is posted
         try:
             pull.posted, state, plan = transport.post(local, remote, pull.num_tokens, notif)
@@ -315,8 +319,8 @@ class DecodeSide:
                 del peer.confirming[ref]
                 peer.channel.forget(ref)
             reader = pull.source.reader if pull.source is not None else lease_client.NON_READER
-            peer.channel.send(lease_client.release(self._engine_id, pull.remote_request_id, pull.remote_block_ids,
-                                                   reader))
+            peer.channel.send(lease_client.release(self._engine_id, pull.lease_id, pull.remote_block_ids,
+                                                   reader, pull.read_token))
 
     def send_release(self, params: KVTransferParams) -> None:
         """Release the lease on every rank of the prefill's TP group, as a non-reader (no pin is dropped).
@@ -334,7 +338,7 @@ class DecodeSide:
         peer = self.peers.get(peer_key(params.remote_engine_id, rank))
         if peer is None:
             peer = self.peers.new(params.remote_engine_id, host, port, Source(rank, (0, 0), 0, 1), params.tp_size)
-        peer.channel.send(lease_client.release(self._engine_id, params.remote_request_id or "",
+        peer.channel.send(lease_client.release(self._engine_id, params.remote_lease_id or "",
                                                params.remote_block_ids or []))
 
     def _succeed(self, pull: Pull) -> None:

@@ -1,10 +1,23 @@
 """Prefill-side lease table (sans-I/O, injected clock).
 
-A finished prefill request's blocks are *leased* to the decode worker that will read them. The lease
-ends exactly once: COMPLETED (the reader's notification or confirmation arrived while it was held),
-RELEASED (explicitly given back), or EXPIRED (its TTL ran out). Each end hands the blocks back through
-`on_free(request_id, block_ids)`. Ended leases are remembered for a while as tombstones, so a late
+A finished prefill request's blocks are *leased* to the decode worker that will read them. A lease is
+keyed by its lease id, which the prefill draws at random (`new_lease_id`): knowing a request's id (a
+client's `x-request-id`, vLLM's request id: the lease's *label*, for logs and callbacks) gives nothing.
+The lease ends exactly once: COMPLETED (the reader's notification or confirmation arrived while it was
+held), RELEASED (explicitly given back), or EXPIRED (its TTL ran out). Each end calls
+`on_free(lease, freed_block_ids)`. Ended leases are remembered for a while as tombstones, so a late
 confirmation learns whether the data it read was still reserved at the time: only COMPLETED means yes.
+
+Blocks may be shared: an engine with prefix caching (vLLM's default) gives concurrent requests with a
+common prefix the same physical blocks, so several live leases may hold one block. The table counts the
+holders of each block; a lease's end hands back (`freed_block_ids`) only the blocks no other lease still
+holds, and a scrub runs over those alone.
+
+Every reader speaks with a *read token* of its own (random, drawn per pull): the first token a reader slot
+uses (PIN, notification or CONFIRM) claims that slot while the lease is held. Another token for a claimed
+slot, or any token that did not take part before the lease ended COMPLETED, is answered CONSUMED: params
+replayed to a second decode (a router retry, a client that reaches a decode directly) never pass as read
+under the lease, whatever the prefill has put in those blocks since.
 
 A lease is bound to its request id *and* its blocks: a reader must name the blocks it read, and
 `blocks_problem` refuses any that the lease does not hold (a suffix of the leased ids is fine: a decode
@@ -24,7 +37,9 @@ the release named a suffix of its blocks (a decode aborted before the prefill's 
 
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -38,18 +53,38 @@ MAX_EARLY_RELEASES = 4096  # releases of leases not granted yet that are remembe
 MAX_EARLY_ID = 256  # longer request ids are not remembered (a peer's message may be 4 MiB of id)
 
 
+LEASE_ID_BYTES = 18  # random bytes in a lease id (24 url-safe characters)
+
+
+def new_lease_id() -> str:
+    """A fresh, unguessable lease id."""
+    return secrets.token_urlsafe(LEASE_ID_BYTES)
+
+
 @dataclass
 class Lease:
-    request_id: str
+    lease_id: str
     block_ids: tuple[int, ...]
     granted_s: float
     expires_s: float
+    label: str = ""  # the request's own id (logs, callbacks); never a key
     state: LeaseState = LeaseState.HELD
     ended_s: float = 0.0
     readers_done: frozenset[int] = frozenset()  # decode ranks done reading, when several read it
     pins: dict[int, float] = field(default_factory=dict)  # reader -> pinned until (clock time)
+    tokens: dict[int, bytes] = field(default_factory=dict)  # reader -> the read token that claimed it
     deferred: bool = False  # ended while pinned: blocks go back when the last pin ends
     deferred_scrub: Callable[[list[int]], None] | None = None
+
+    @property
+    def request_id(self) -> str:
+        """What logs call this lease: its label, else the start of its id (the id itself is a secret)."""
+        return self.label or self.lease_id[:8]
+
+    def token_ok(self, reader: int, token: bytes) -> bool:
+        """Whether `token` is the one that claimed `reader` (no claim: False)."""
+        owner = self.tokens.get(reader)
+        return owner is not None and hmac.compare_digest(owner, token)
 
 
 class LeaseTable:
@@ -57,7 +92,7 @@ class LeaseTable:
         self,
         ttl_s: float,
         clock: Callable[[], float],
-        on_free: Callable[[str, list[int]], None],
+        on_free: Callable[[Lease, list[int]], None],
         tombstone_s: float | None = None,
         grace_s: float = 0.0,
     ) -> None:
@@ -69,7 +104,7 @@ class LeaseTable:
         self._on_free = on_free
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
-        self._leased_blocks: set[int] = set()
+        self._holders: dict[int, int] = {}  # block id -> how many leases (held, or ended and pinned) hold it
         self._expire_on_read = 0  # fault injection: see `expire_next_reads`
         self.grace_s = grace_s
         # request id -> (forget at, how many blocks it named, their digest): bounded whatever a peer sends
@@ -78,9 +113,9 @@ class LeaseTable:
 
     # --- queries -----------------------------------------------------------------------------------
 
-    def state(self, request_id: str) -> LeaseState:
+    def state(self, lease_id: str) -> LeaseState:
         with self._lock:
-            lease = self._leases.get(request_id)
+            lease = self._leases.get(lease_id)
             return lease.state if lease else LeaseState.UNKNOWN
 
     @property
@@ -91,30 +126,29 @@ class LeaseTable:
     @property
     def num_blocks_held(self) -> int:
         with self._lock:
-            return len(self._leased_blocks)
+            return len(self._holders)
 
-    def blocks_problem(self, request_id: str, block_ids: Sequence[int]) -> str:
-        """Why `block_ids` may not be named for `request_id`'s lease ("" when they may): they must be a
+    def blocks_problem(self, lease_id: str, block_ids: Sequence[int]) -> str:
+        """Why `block_ids` may not be named for lease `lease_id` ("" when they may): they must be a
         non-empty suffix of the leased ids. A lease nobody knows has nothing to protect ("")."""
         with self._lock:
-            lease = self._leases.get(request_id)
+            lease = self._leases.get(lease_id)
             if lease is None:
                 return ""
             leased = lease.block_ids
         ids = tuple(int(b) for b in block_ids)
         if not ids:
-            return f"block_ids: required (request {request_id!r} leases {len(leased)} blocks)"
+            return f"block_ids: required (the lease holds {len(leased)} blocks)"
         if len(ids) > len(leased) or leased[len(leased) - len(ids):] != ids:
             foreign = sorted(set(ids) - set(leased))[:8]
             what = f"blocks {foreign} are not leased to it" if foreign else "they are not the tail of its blocks"
-            return f"block_ids: request {request_id!r} cannot name {list(ids[:8])}{'...' if len(ids) > 8 else ''}: " \
-                   f"{what}"
+            return f"block_ids: the lease cannot name {list(ids[:8])}{'...' if len(ids) > 8 else ''}: {what}"
         return ""
 
-    def digest_matches(self, request_id: str, num_blocks: int, digest: bytes) -> bool:
+    def digest_matches(self, lease_id: str, num_blocks: int, digest: bytes) -> bool:
         """Whether a notification's (count, digest) names a suffix of the lease's blocks (see protocol)."""
         with self._lock:
-            lease = self._leases.get(request_id)
+            lease = self._leases.get(lease_id)
             if lease is None:
                 return True  # (completing an unknown lease does nothing)
             leased = lease.block_ids
@@ -123,42 +157,47 @@ class LeaseTable:
     def held(self) -> list[Lease]:
         """Snapshot of the leases still held."""
         with self._lock:
-            return [Lease(**{**vars(x), "pins": dict(x.pins)}) for x in self._leases.values()
-                    if x.state is LeaseState.HELD]
+            return [Lease(**{**vars(x), "pins": dict(x.pins), "tokens": dict(x.tokens)})
+                    for x in self._leases.values() if x.state is LeaseState.HELD]
 
     # --- transitions -------------------------------------------------------------------------------
 
-    def grant(self, request_id: str, block_ids: Iterable[int], ttl_s: float | None = None) -> Lease:
+    def grant(self, lease_id: str, block_ids: Iterable[int], ttl_s: float | None = None, label: str = "") -> Lease:
+        """Lease `block_ids` under the lease id `lease_id` (`new_lease_id()`; a TP group's ranks share one).
+        Blocks other live leases hold may be leased again (shared prefix blocks); an id the table still
+        remembers, held or ended, is refused: its blocks might otherwise never be handed back."""
         ids = tuple(int(b) for b in block_ids)
         with self._lock:
-            if request_id in self._leases and self._leases[request_id].state is LeaseState.HELD:
-                raise LeaseError(f"request {request_id!r} already holds a lease")
+            if lease_id in self._leases:
+                raise LeaseError(f"lease id {lease_id[:8]}... is already in use (lease {label or '?'})")
             if len(set(ids)) != len(ids):
-                raise LeaseError(f"request {request_id!r}: duplicated block ids")
-            taken = self._leased_blocks.intersection(ids)
-            if taken:
-                raise LeaseError(f"request {request_id!r}: blocks {sorted(taken)[:8]} are already leased")
+                raise LeaseError(f"lease {label or lease_id[:8]}: duplicated block ids")
             now = self._clock()
-            lease = Lease(request_id, ids, now, now + (ttl_s if ttl_s is not None else self.ttl_s))
-            self._leases[request_id] = lease
-            self._leased_blocks.update(ids)
+            lease = Lease(lease_id, ids, now, now + (ttl_s if ttl_s is not None else self.ttl_s), label=label)
+            self._leases[lease_id] = lease
+            for b in ids:
+                self._holders[b] = self._holders.get(b, 0) + 1
             self.counts[LeaseState.HELD] += 1
-            early = self._early.pop(request_id, None)
+            early = self._early.pop(lease_id, None)
         if early is not None and early[0] > now and 0 < early[1] <= len(ids) and \
                 blocks_digest(ids[len(ids) - early[1]:]) == early[2]:
-            log.info("lease %s: released before it was granted; its %d blocks go back now", request_id, len(ids))
-            self._end(request_id, LeaseState.RELEASED)
+            log.info("lease %s: released before it was granted; its %d blocks go back now", lease.request_id,
+                     len(ids))
+            self._end(lease_id, LeaseState.RELEASED)
         return lease
 
-    def pin(self, request_id: str, reader: int, pin_s: float) -> LeaseState:
-        """Keep a held lease's blocks for `reader` for up to `pin_s` (see the module doc). Returns HELD when
-        pinned, else the state the lease ended in: the reader must then not use what it reads."""
+    def pin(self, lease_id: str, reader: int, pin_s: float, token: bytes = b"") -> LeaseState:
+        """Keep a held lease's blocks for `reader` (speaking with `token`) for up to `pin_s` (see the module
+        doc). Returns HELD when pinned, COMPLETED when this reader's own notification already completed it,
+        else the state that forbids the read (CONSUMED: another reader's lease)."""
         with self._lock:
-            lease = self._leases.get(request_id)
+            lease = self._leases.get(lease_id)
             if lease is None:
                 return LeaseState.UNKNOWN
             if lease.state is not LeaseState.HELD:
-                return lease.state
+                return self._ended_answer(lease, reader, token)
+            if not self._claim(lease, reader, token):
+                return LeaseState.CONSUMED
             if self._expire_on_read > 0:  # fault injection: as if the TTL ran out before the pin arrived
                 self._expire_on_read -= 1
                 injected = True
@@ -166,29 +205,36 @@ class LeaseTable:
                 lease.pins[reader] = max(lease.pins.get(reader, 0.0), self._clock() + pin_s)
                 return LeaseState.HELD
         if injected:
-            log.warning("lease %s expired as its read was pinned (fault injection)", request_id)
-        return self._end(request_id, LeaseState.EXPIRED)
+            log.warning("lease %s expired as its read was pinned (fault injection)", lease.request_id)
+        return self._end(lease_id, LeaseState.EXPIRED)
 
-    def unpin(self, request_id: str, reader: int) -> None:
-        """`reader` no longer reads: drop its pin (and hand back the blocks of a lease that ended meanwhile)."""
+    def unpin(self, lease_id: str, reader: int, token: bytes = b"") -> None:
+        """`reader` no longer reads: drop its pin (and hand back the blocks of a lease that ended meanwhile).
+        Only the token that pinned may unpin."""
         with self._lock:
-            lease = self._leases.get(request_id)
-            if lease is None or reader not in lease.pins:
+            lease = self._leases.get(lease_id)
+            if lease is None or reader not in lease.pins or not lease.token_ok(reader, token):
                 return
             del lease.pins[reader]
             freeing = self._take_deferred(lease)
         if freeing is not None:
             self._free(*freeing)
 
-    def complete(self, request_id: str, reader: int = 0, readers: int = 1) -> LeaseState:
-        """Reader `reader` of `readers` finished (notification or confirmation). Returns COMPLETED when its
-        read happened under the lease (or under its pin); the lease itself ends when the last reader is done."""
+    def complete(self, lease_id: str, reader: int = 0, readers: int = 1, token: bytes = b"") -> LeaseState:
+        """Reader `reader` of `readers` (speaking with `token`) finished (notification or confirmation).
+        Returns COMPLETED when its read happened under the lease (or under its pin); the lease itself ends
+        when the last reader is done. CONSUMED: the slot or the completed lease is another reader's."""
         injected = after_end = False
         freeing = None
         with self._lock:
-            lease = self._leases.get(request_id)
+            lease = self._leases.get(lease_id)
             if lease is None:
                 return LeaseState.UNKNOWN
+            if lease.state is LeaseState.HELD:
+                if not self._claim(lease, reader, token):
+                    return LeaseState.CONSUMED
+            elif not lease.token_ok(reader, token):
+                return self._ended_answer(lease, reader, token)
             pinned = reader in lease.pins
             if pinned:
                 del lease.pins[reader]  # this reader is done either way
@@ -207,34 +253,36 @@ class LeaseTable:
         if after_end:
             if freeing is not None:
                 self._free(*freeing)
-            log.info("lease %s: pinned read completed after the lease ended %s", request_id, ended.value)
+            log.info("lease %s: pinned read completed after the lease ended %s", lease.request_id, ended.value)
             return LeaseState.COMPLETED
         if injected:  # as if the TTL had run out while the reader was reading
-            log.warning("lease %s expired as its read finished (fault injection)", request_id)
-            return self._end(request_id, LeaseState.EXPIRED)
-        return self._end(request_id, LeaseState.COMPLETED)
+            log.warning("lease %s expired as its read finished (fault injection)", lease.request_id)
+            return self._end(lease_id, LeaseState.EXPIRED)
+        return self._end(lease_id, LeaseState.COMPLETED)
 
-    def release(self, request_id: str, reader: int = -1, block_ids: Sequence[int] | None = None) -> LeaseState:
-        """Give the blocks back now without a completed read (`reader`, when it is one, also drops its pin).
-        A release naming `block_ids` of a lease not granted yet is remembered for the grace (module doc)."""
+    def release(self, lease_id: str, reader: int = -1, block_ids: Sequence[int] | None = None,
+                token: bytes = b"") -> LeaseState:
+        """Give the blocks back now without a completed read (`reader`, when it is one and `token` is its own,
+        also drops its pin). A release naming `block_ids` of a lease not granted yet is remembered for the
+        grace (module doc)."""
         with self._lock:
-            if request_id not in self._leases and block_ids is not None and self.grace_s > 0:
-                if len(request_id) <= MAX_EARLY_ID and block_ids:
-                    self._early.pop(request_id, None)  # (re-inserted last: the oldest goes first)
+            if lease_id not in self._leases and block_ids is not None and self.grace_s > 0:
+                if len(lease_id) <= MAX_EARLY_ID and block_ids:
+                    self._early.pop(lease_id, None)  # (re-inserted last: the oldest goes first)
                     if len(self._early) >= MAX_EARLY_RELEASES:
                         del self._early[next(iter(self._early))]
-                    self._early[request_id] = (self._clock() + self.grace_s, len(block_ids), blocks_digest(block_ids))
+                    self._early[lease_id] = (self._clock() + self.grace_s, len(block_ids), blocks_digest(block_ids))
                 return LeaseState.UNKNOWN
-        state = self._end(request_id, LeaseState.RELEASED)
+        state = self._end(lease_id, LeaseState.RELEASED)
         if reader >= 0:
-            self.unpin(request_id, reader)
+            self.unpin(lease_id, reader, token)
         return state
 
     def expire(self) -> list[Lease]:
         """End every lease past its TTL and forget old tombstones; returns the leases that expired."""
         now = self._clock()
         expired: list[Lease] = []
-        unpinned: list[tuple[str, list[int], Callable[[list[int]], None] | None]] = []
+        unpinned: list[tuple[Lease, list[int], Callable[[list[int]], None] | None]] = []
         with self._lock:
             for rid, lease in list(self._leases.items()):
                 if lease.pins:
@@ -253,18 +301,19 @@ class LeaseTable:
                 del self._early[rid]
         for freeing in unpinned:
             self._free(*freeing)
-        ended = [x for x in expired if self._end(x.request_id, LeaseState.EXPIRED) is LeaseState.EXPIRED]
+        ended = [x for x in expired if self._end(x.lease_id, LeaseState.EXPIRED) is LeaseState.EXPIRED]
         for lease in ended:
             log.warning("lease %s expired unread after %.3gs: %d blocks back to the allocator",
                         lease.request_id, now - lease.granted_s, len(lease.block_ids))
         return ended
 
-    def force_expire(self, request_id: str, scrub: Callable[[list[int]], None] | None = None) -> LeaseState:
+    def force_expire(self, lease_id: str, scrub: Callable[[list[int]], None] | None = None) -> LeaseState:
         """Expire one lease now (fault injection and operator tooling). `scrub(block_ids)` runs after the
-        lease has ended but before its blocks are freed, so it may overwrite them safely."""
-        state = self._end(request_id, LeaseState.EXPIRED, scrub)
+        lease has ended but before its blocks are freed, so it may overwrite them safely (only the blocks
+        no other lease still holds)."""
+        state = self._end(lease_id, LeaseState.EXPIRED, scrub)
         if state is LeaseState.EXPIRED:
-            log.warning("lease %s force-expired", request_id)
+            log.warning("lease %s force-expired", lease_id)
         return state
 
     def expire_next_reads(self, count: int) -> None:
@@ -272,10 +321,10 @@ class LeaseTable:
         with self._lock:
             self._expire_on_read = max(0, int(count))
 
-    def _end(self, request_id: str, how: LeaseState,
+    def _end(self, lease_id: str, how: LeaseState,
              scrub: Callable[[list[int]], None] | None = None) -> LeaseState:
         with self._lock:
-            lease = self._leases.get(request_id)
+            lease = self._leases.get(lease_id)
             if lease is None:
                 return LeaseState.UNKNOWN
             if lease.state is not LeaseState.HELD:
@@ -287,22 +336,46 @@ class LeaseTable:
             if lease.pins:  # a pinned read is in flight: the blocks go back when it is done
                 lease.deferred, lease.deferred_scrub = True, scrub
                 return how
-            self._leased_blocks.difference_update(lease.block_ids)
-            blocks = list(lease.block_ids)
-        self._free(request_id, blocks, scrub)
+            blocks = self._let_go(lease)
+        self._free(lease, blocks, scrub)
         return how
 
-    def _take_deferred(self, lease: Lease) -> tuple[str, list[int], Callable[[list[int]], None] | None] | None:
-        """(request id, blocks, scrub) to hand back now that `lease` has no pins, if it ended while pinned
+    def _claim(self, lease: Lease, reader: int, token: bytes) -> bool:
+        """`token` claims `reader`'s slot of a held lease, or already has it (lock held)."""
+        if reader not in lease.tokens:
+            lease.tokens[reader] = bytes(token)
+            return True
+        return lease.token_ok(reader, token)
+
+    @staticmethod
+    def _ended_answer(lease: Lease, reader: int, token: bytes) -> LeaseState:
+        """What an ended lease tells `reader`: COMPLETED only to a token that read under it."""
+        if lease.state is LeaseState.COMPLETED and not lease.token_ok(reader, token):
+            return LeaseState.CONSUMED
+        return lease.state
+
+    def _let_go(self, lease: Lease) -> list[int]:
+        """Drop `lease`'s hold on its blocks; returns those no other lease holds now (lock held)."""
+        freed = []
+        for b in lease.block_ids:
+            left = self._holders.get(b, 0) - 1
+            if left > 0:
+                self._holders[b] = left
+            else:
+                self._holders.pop(b, None)
+                freed.append(b)
+        return freed
+
+    def _take_deferred(self, lease: Lease) -> tuple[Lease, list[int], Callable[[list[int]], None] | None] | None:
+        """(lease, blocks freed, scrub) to hand back now that `lease` has no pins, if it ended while pinned
         (lock held)."""
         if lease.pins or not lease.deferred:
             return None
         lease.deferred = False
         scrub, lease.deferred_scrub = lease.deferred_scrub, None
-        self._leased_blocks.difference_update(lease.block_ids)
-        return lease.request_id, list(lease.block_ids), scrub
+        return lease, self._let_go(lease), scrub
 
-    def _free(self, request_id: str, blocks: list[int], scrub: Callable[[list[int]], None] | None = None) -> None:
-        if scrub is not None:
+    def _free(self, lease: Lease, blocks: list[int], scrub: Callable[[list[int]], None] | None = None) -> None:
+        if scrub is not None and blocks:
             scrub(blocks)
-        self._on_free(request_id, blocks)
+        self._on_free(lease, blocks)

@@ -9,7 +9,9 @@ them with `release_everywhere` (blocking, one short-lived socket per rank). Rule
   non-reader (reader -1), which never drops a reader's pin: a pinned READ in flight keeps its blocks and
   its confirmation decides, so a release cannot turn a lost lease into a silent success;
 - a release goes to every rank of the prefill's TP group (rank r listens on remote_port + r), since each
-  rank leased the same block ids under the request id.
+  rank leased the same block ids under the same lease id;
+- every request names the lease by the prefill's lease id (`remote_lease_id`), and a reader's by its read
+  token as well (`Pull.read_token`): the first token claims the reader's slot (lease.py).
 """
 
 from __future__ import annotations
@@ -34,24 +36,26 @@ def _ids(block_ids: Sequence[int] | np.ndarray) -> list[int]:
     return [int(b) for b in block_ids]
 
 
-def pin(engine_id: str, request_id: str, source: Source, block_ids: Sequence[int] | np.ndarray,
-        pin_s: float) -> p.LeaseRequest:
+def pin(engine_id: str, lease_id: str, source: Source, block_ids: Sequence[int] | np.ndarray,
+        pin_s: float, read_token: bytes) -> p.LeaseRequest:
     """Keep the blocks for this reader until it confirms, or for `pin_s` at most."""
-    return p.LeaseRequest(p.PROTOCOL_VERSION, engine_id, request_id, p.LeaseAction.PIN, reader=source.reader,
-                          readers=source.readers, pin_ms=int(pin_s * 1000), block_ids=_ids(block_ids), seq=next(_seq))
+    return p.LeaseRequest(p.PROTOCOL_VERSION, engine_id, lease_id, p.LeaseAction.PIN, reader=source.reader,
+                          readers=source.readers, pin_ms=int(pin_s * 1000), block_ids=_ids(block_ids), seq=next(_seq),
+                          read_token=read_token)
 
 
-def confirm(engine_id: str, request_id: str, source: Source, block_ids: Sequence[int] | np.ndarray) -> p.LeaseRequest:
+def confirm(engine_id: str, lease_id: str, source: Source, block_ids: Sequence[int] | np.ndarray,
+            read_token: bytes) -> p.LeaseRequest:
     """This reader's read is done: was the lease (or its pin) held until then?"""
-    return p.LeaseRequest(p.PROTOCOL_VERSION, engine_id, request_id, p.LeaseAction.CONFIRM, reader=source.reader,
-                          readers=source.readers, block_ids=_ids(block_ids), seq=next(_seq))
+    return p.LeaseRequest(p.PROTOCOL_VERSION, engine_id, lease_id, p.LeaseAction.CONFIRM, reader=source.reader,
+                          readers=source.readers, block_ids=_ids(block_ids), seq=next(_seq), read_token=read_token)
 
 
-def release(engine_id: str, request_id: str, block_ids: Sequence[int] | np.ndarray,
-            reader: int = NON_READER) -> p.LeaseRequest:
-    """Give the blocks back now; a reader releasing as itself also drops its own pin."""
-    return p.LeaseRequest(p.PROTOCOL_VERSION, engine_id, request_id, p.LeaseAction.RELEASE, reader=reader,
-                          block_ids=_ids(block_ids), seq=next(_seq))
+def release(engine_id: str, lease_id: str, block_ids: Sequence[int] | np.ndarray,
+            reader: int = NON_READER, read_token: bytes = b"") -> p.LeaseRequest:
+    """Give the blocks back now; a reader releasing as itself (with its token) also drops its own pin."""
+    return p.LeaseRequest(p.PROTOCOL_VERSION, engine_id, lease_id, p.LeaseAction.RELEASE, reader=reader,
+                          block_ids=_ids(block_ids), seq=next(_seq), read_token=read_token)
 
 
 def release_after_failure(error: KVConnectError) -> bool:
@@ -65,7 +69,7 @@ def release_after_failure(error: KVConnectError) -> bool:
 
 def release_targets(params: KVTransferParams) -> list[tuple[int, str, int]]:
     """(rank, host, port) of every rank of the TP group that leased `params` (empty if it names none)."""
-    if not (params.remote_host and params.remote_port and params.remote_request_id and params.remote_block_ids):
+    if not (params.remote_host and params.remote_port and params.remote_lease_id and params.remote_block_ids):
         return []
     return [(rank, params.remote_host, params.remote_port + rank) for rank in range(max(params.tp_size, 1))]
 
@@ -75,9 +79,8 @@ def release_everywhere(ctx: zmq.Context, params: KVTransferParams, engine_id: st
     """Release `params`' lease on every rank as a non-reader (blocking); returns each rank's answer: the
     lease state it ended in, or the error (a rank that is gone cannot hold anything)."""
     out: dict[int, str] = {}
-    assert params.remote_request_id is not None or not release_targets(params)
     for rank, host, port in release_targets(params):
-        msg = release(engine_id, params.remote_request_id or "", params.remote_block_ids or [])
+        msg = release(engine_id, params.remote_lease_id or "", params.remote_block_ids or [])
         try:
             reply = request(ctx, host, port, msg, timeout_s, secret)
         except KVConnectError as e:

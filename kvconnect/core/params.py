@@ -26,7 +26,10 @@ from kvconnect.core.errors import InvalidRequestError
 from kvconnect.core.layout import tp_problem
 
 FIELD = "kv_transfer_params"
-PULL_FIELDS = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "remote_request_id")
+PULL_FIELDS = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "remote_request_id",
+               "remote_lease_id")
+MAX_TP_SIZE = 64  # a client-sent tp_size above this is refused before any peer is dialled (one per rank)
+MAX_ID_CHARS = 256  # remote_request_id / remote_lease_id / remote_engine_id: ids, not payloads
 MAX_REMOTE_BLOCK_ID = 2**62  # remote ids are bounded by the remote spec at planning; this only keeps int64 sane
 
 
@@ -44,6 +47,9 @@ class KVTransferParams(msgspec.Struct):
     # kvconnect additions (ignored by vLLM):
     remote_incarnation_id: str | None = None
     remote_num_tokens: int | None = None  # tokens of KV the remote blocks hold (lets block sizes differ)
+    # the prefill's random id of the lease that holds the blocks: the key every PIN, CONFIRM, RELEASE and
+    # notification names (`remote_request_id` is only the request's label for logs)
+    remote_lease_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,8 @@ class PullTarget:
     engine_id: str
     host: str
     port: int
-    request_id: str
+    request_id: str  # the prefill request's label (logs)
+    lease_id: str
     remote_block_ids: np.ndarray  # int64, in token order
     local_block_ids: np.ndarray  # int64
     tp_size: int
@@ -78,8 +85,12 @@ def parse_kv_transfer_params(obj: object) -> KVTransferParams | None:
         raise InvalidRequestError(field, str(e).split(" - at ")[0]) from e
     if params.do_remote_prefill:
         _check_pull_fields(params)
-    if params.tp_size < 1:
-        raise InvalidRequestError(f"{FIELD}.tp_size", f"must be >= 1, got {params.tp_size}")
+    if not 1 <= params.tp_size <= MAX_TP_SIZE:
+        raise InvalidRequestError(f"{FIELD}.tp_size", f"must be in [1, {MAX_TP_SIZE}], got {params.tp_size}")
+    for name in ("remote_engine_id", "remote_request_id", "remote_lease_id", "remote_incarnation_id"):
+        value = getattr(params, name)
+        if value is not None and len(value) > MAX_ID_CHARS:
+            raise InvalidRequestError(f"{FIELD}.{name}", f"longer than {MAX_ID_CHARS} characters")
     return params
 
 
@@ -126,9 +137,12 @@ def validated_pull(params: KVTransferParams, local_block_ids: Sequence[int] | np
     _check_pull_fields(params)
     local = validate_block_ids("local_block_ids", local_block_ids, num_local_blocks)
     remote = validate_block_ids(f"{FIELD}.remote_block_ids", params.remote_block_ids or [], MAX_REMOTE_BLOCK_ID)
-    problem = tp_problem(model_kv_heads, params.tp_size) if params.tp_size >= 1 else "tp_size must be >= 1"
+    problem = tp_problem(model_kv_heads, params.tp_size) if 1 <= params.tp_size <= MAX_TP_SIZE else \
+        f"tp_size must be in [1, {MAX_TP_SIZE}]"
     if problem:
         raise InvalidRequestError(f"{FIELD}.tp_size", f"prefill {problem}")
     assert params.remote_engine_id and params.remote_host and params.remote_port and params.remote_request_id
+    assert params.remote_lease_id
     return PullTarget(params.remote_engine_id, params.remote_host, params.remote_port, params.remote_request_id,
-                      remote, local, params.tp_size, params.remote_incarnation_id, params.remote_num_tokens)
+                      params.remote_lease_id, remote, local, params.tp_size, params.remote_incarnation_id,
+                      params.remote_num_tokens)

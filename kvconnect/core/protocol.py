@@ -23,7 +23,9 @@ import msgspec
 from kvconnect.core.errors import LayoutError, ProtocolError
 from kvconnect.core.layout import CacheSpec
 
-PROTOCOL_VERSION = 1
+# 2: leases keyed by the prefill's random lease id (`kv_transfer_params.remote_lease_id`) and every PIN,
+# CONFIRM, RELEASE and notification carrying its reader's read token; a version-1 peer is refused by version
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # agent metadata is the largest part (tens of KiB)
 
 
@@ -40,6 +42,7 @@ class LeaseState(str, enum.Enum):
     RELEASED = "released"  # released without a completed read (abort)
     EXPIRED = "expired"  # TTL ran out: blocks went back to the allocator and may hold other data now
     UNKNOWN = "unknown"  # never seen, or forgotten
+    CONSUMED = "consumed"  # another reader's: its slot was claimed by another read token, or it completed for one
 
 
 class LeaseAction(str, enum.Enum):
@@ -62,7 +65,7 @@ class Hello(msgspec.Struct, tag="hello"):
 class LeaseRequest(msgspec.Struct, tag="lease"):
     protocol_version: int
     engine_id: str
-    request_id: str
+    lease_id: str  # the prefill's random lease id (kv_transfer_params.remote_lease_id)
     action: LeaseAction
     nonce: bytes = b""
     ts_ms: int = 0
@@ -74,6 +77,7 @@ class LeaseRequest(msgspec.Struct, tag="lease"):
     # the leased ids is fine: a decode-side prefix-cache hit reads fewer). Empty: not checked (old peers).
     block_ids: list[int] = []
     seq: int = 0  # the sender's number for this message, echoed in the reply (pairs replies with requests)
+    read_token: bytes = b""  # PIN / CONFIRM (and a reader's RELEASE): the pull's own random token (lease.py)
 
 
 # --- side channel: replies -----------------------------------------------------------------------
@@ -99,7 +103,7 @@ class PeerInfo(msgspec.Struct, tag="peer_info"):
 
 
 class LeaseReply(msgspec.Struct, tag="lease_reply"):
-    request_id: str
+    lease_id: str
     state: LeaseState
     incarnation_id: str = ""
     mac: bytes = b""
@@ -119,7 +123,7 @@ def ref_of(msg: Hello | LeaseRequest | PeerInfo | LeaseReply) -> str:
     """Correlation key shared by a request and its reply."""
     if isinstance(msg, (Hello, PeerInfo)):
         return "hello"
-    return f"lease:{msg.request_id}:{msg.seq}"
+    return f"lease:{msg.lease_id}:{msg.seq}"
 
 
 Request = Hello | LeaseRequest
@@ -189,12 +193,13 @@ def reply_mac_ok(secret: bytes, nonce: bytes, msg: Reply) -> bool:
 class PullNotif(msgspec.Struct, tag="pulled", array_like=True):
     """Sent with the READ; reaches the prefill side after the data was read."""
 
-    request_id: str
+    lease_id: str
     incarnation_id: str  # the prefill incarnation the reader believes it read from
     reader: int = 0  # see LeaseRequest
     readers: int = 1
     blocks_digest: bytes = b""  # `blocks_digest` of the remote block ids read (a lease completes only if it
     num_blocks: int = 0  # holds exactly those, as a suffix of its own; see lease.py)
+    read_token: bytes = b""  # the reader's token (see LeaseRequest)
 
 
 _notif_decoder = msgspec.msgpack.Decoder(PullNotif)
@@ -208,10 +213,10 @@ def blocks_digest(block_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def encode_notif(request_id: str, incarnation_id: str, reader: int = 0, readers: int = 1,
-                 block_ids: Sequence[int] = ()) -> bytes:
+def encode_notif(lease_id: str, incarnation_id: str, reader: int = 0, readers: int = 1,
+                 block_ids: Sequence[int] = (), read_token: bytes = b"") -> bytes:
     digest = blocks_digest(block_ids) if len(block_ids) else b""
-    return _encoder.encode(PullNotif(request_id, incarnation_id, reader, readers, digest, len(block_ids)))
+    return _encoder.encode(PullNotif(lease_id, incarnation_id, reader, readers, digest, len(block_ids), read_token))
 
 
 def decode_notif(data: bytes) -> PullNotif:

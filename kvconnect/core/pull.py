@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
@@ -138,7 +139,8 @@ class Pull:
     remote_engine_id: str
     remote_host: str
     remote_port: int
-    remote_request_id: str
+    remote_request_id: str  # the prefill request's label (logs)
+    lease_id: str  # the prefill's lease of the blocks: what PIN, CONFIRM, RELEASE and the notification name
     remote_block_ids: np.ndarray  # int64, validated (see from_params), in token order
     local_block_ids: np.ndarray
     expected_incarnation: str | None
@@ -160,6 +162,8 @@ class Pull:
     not_granted_since_s: float = 0.0  # when the prefill first said it had never seen the lease (confirm.py)
     ask_again_s: float = 0.0  # when to repeat that PIN or CONFIRM (while confirm.py has it waiting)
     asked: int = 0  # how many times it was repeated
+    # this pull's own claim on the lease (lease.py): a replay of the same params by another pull has another
+    read_token: bytes = field(default_factory=lambda: secrets.token_bytes(16))
 
     def run_on_settled(self) -> None:
         """Run the `on_settled` hook once: no READ can write into this pull's blocks any more."""
@@ -184,6 +188,7 @@ class Pull:
             remote_host=target.host,
             remote_port=target.port,
             remote_request_id=target.request_id,
+            lease_id=target.lease_id,
             remote_block_ids=target.remote_block_ids,
             local_block_ids=target.local_block_ids,
             expected_incarnation=target.incarnation_id,

@@ -70,14 +70,17 @@ def routes(connector: KVConnector, cache: KVCache) -> list[Route]:
         except ValueError as e:
             return JSONResponse({"error": str(e)}, status_code=400)
         wanted = body.get("request_ids")
-        ids = [x.request_id for x in connector.held_leases()] if wanted is None else [str(r) for r in wanted]
+        held = connector.held_leases()
+        names = [x.request_id for x in held] if wanted is None else [str(r) for r in wanted]
         poison = bool(body.get("poison", False))
         out = {}
-        for rid in ids:
+        for rid in names:  # (leases are named by their request's label here; their ids stay secret)
             def scrub(blocks: list[int], seed: int = zlib.crc32(rid.encode())) -> None:
                 poison_blocks(cache, blocks, seed)
 
-            out[rid] = connector.expire_lease(rid, scrub if poison else None).value
+            states = [connector.expire_lease(x.lease_id, scrub if poison else None).value
+                      for x in held if x.request_id == rid]
+            out[rid] = states[0] if states else "unknown"
         return JSONResponse({"expired": out})
 
     async def expire_on_read(request: Request) -> Response:

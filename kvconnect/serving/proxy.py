@@ -132,9 +132,10 @@ class Proxy:
         except httpx.HTTPError as e:
             await self._release(request_id, params, "decode_unreachable")
             return self._leg_failed(request_id, "decode", decode_url, e)
-        if upstream.status_code != 200:
+        if upstream.status_code != 200:  # (a body the decode refused would leave the lease held for its TTL)
             await upstream.aread()
             await upstream.aclose()
+            await self._release(request_id, params, "decode_refused")
             return self._relay_error(request_id, "decode", decode_url, upstream)
         media = upstream.headers.get("content-type", "application/json")
         if not media.startswith("text/event-stream"):  # read it whole: a broken answer becomes a clear 502

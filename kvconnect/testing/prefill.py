@@ -7,9 +7,10 @@ and side-channel port), so one process can serve many benchmark cases. Every com
 
 - `setup(spec, seed, port)`: a new cache filled from `seed`, a new connector; answers its side-channel port
   and incarnation id; `setup_views(shape, geometry, seed, port)`: the same over vLLM-shaped tensors;
-- leases: `lease(request_id, block_ids, num_tokens)` (the params as JSON), `state(request_id)`,
-  `settle(request_id, timeout_s)` (wait until it is no longer held), `release(request_id)` (its final
-  state and the blocks still leased once drained), `expire(request_id)`, `held`, `freed`;
+- leases: `lease(request_id, block_ids, num_tokens, lease_id)` (the params as JSON; the ranks of a TP group
+  pass one lease id), `state(key)`, `settle(key, timeout_s)` (wait until it is no longer held),
+  `release(key)` (its final state and the blocks still leased once drained), `expire(key)`, `held`,
+  `freed`; a key is a lease id, or the request id of this process's latest lease under that label;
 - the cache: `block(id)` (its bytes), `randn(seed)`, `kv(layer, ids)`, `fill_ref(seed, num_tokens, ids)`,
   `tokens(ids, num_tokens)`, `overwrite(ids)`;
 - `pull(params_json, local_ids)`: this process as a decode worker: ("ok", stats) or ("failed", class, text).
@@ -83,6 +84,10 @@ class _Server:
         self.cache: Any = None
         self.raw: Any = None  # the engine-shaped memory under `cache` (setup_views)
         self.freed: list[int] = []
+        self.lease_ids: dict[str, str] = {}  # request id -> its latest lease's id
+
+    def lease_id(self, key: str) -> str:
+        return self.lease_ids.get(key, key)
 
     def setup(self, spec_raw: bytes, seed: int, port: int) -> tuple[int, str]:
         from kvconnect.core.cache import KVCache
@@ -132,17 +137,20 @@ class _Server:
         if conn is None:
             raise KVConnectError(f"{cmd!r} before setup")
         spec = cache.spec
-        if cmd == "lease":  # (request id, block ids[, num_tokens])
-            return msgspec.json.encode(conn.lease(*args))
+        if cmd == "lease":  # (request id, block ids[, num_tokens[, lease id]])
+            params = conn.lease(*args)
+            self.lease_ids[args[0]] = params.remote_lease_id
+            return msgspec.json.encode(params)
         if cmd == "state":
-            return conn.lease_state(args[0]).value
-        if cmd == "settle":  # (request id, timeout): its state once it is no longer held
-            return _wait_until(lambda: conn.lease_state(args[0]).value, lambda s: s != "held", args[1])
+            return conn.lease_state(self.lease_id(args[0])).value
+        if cmd == "settle":  # (key, timeout): its state once it is no longer held
+            key = self.lease_id(args[0])
+            return _wait_until(lambda: conn.lease_state(key).value, lambda s: s != "held", args[1])
         if cmd == "release":  # end the lease if still held: (its final state, blocks this rank still leases)
-            state = conn.release(args[0]).value
+            state = conn.release(self.lease_id(args[0])).value
             return state, _wait_until(lambda: conn.snapshot().lease_blocks_held, lambda n: n == 0, RELEASE_WAIT_S)
         if cmd == "expire":
-            return conn.expire_lease(args[0]).value
+            return conn.expire_lease(self.lease_id(args[0])).value
         if cmd == "held":
             return conn.snapshot().lease_blocks_held
         if cmd == "unknown":  # lease requests that named a lease not granted here
@@ -287,8 +295,10 @@ class PrefillProcess:
     def wait_setup(self) -> None:
         self.port, self.incarnation_id = self.answer("setup", START_TIMEOUT_S)
 
-    def lease(self, request_id: str, block_ids: list[int], num_tokens: int | None = None) -> KVTransferParams:
-        return msgspec.json.decode(self.ask("lease", request_id, block_ids, num_tokens), type=KVTransferParams)
+    def lease(self, request_id: str, block_ids: list[int], num_tokens: int | None = None,
+              lease_id: str | None = None) -> KVTransferParams:
+        return msgspec.json.decode(self.ask("lease", request_id, block_ids, num_tokens, lease_id),
+                                   type=KVTransferParams)
 
     def settle(self, request_id: str, timeout_s: float) -> str:
         return str(self.ask("settle", request_id, timeout_s, timeout_s=timeout_s + 10))

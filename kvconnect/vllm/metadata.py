@@ -20,6 +20,7 @@ class LeaseOrder:
     request_id: str
     block_ids: list[int]
     num_tokens: int  # tokens of KV the blocks hold
+    lease_id: str  # drawn by the scheduler, so that every TP rank grants the same lease
 
 
 @dataclass(frozen=True)

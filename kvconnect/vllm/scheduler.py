@@ -19,8 +19,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import msgspec
 from vllm.v1.request import RequestStatus
 
+from kvconnect.core.lease import new_lease_id
+from kvconnect.core.params import KVTransferParams
 from kvconnect.vllm.metadata import LeaseOrder, PullOrder, StepOrders, WorkerHello
 from kvconnect.vllm.settings import VllmSettings
 
@@ -87,17 +90,18 @@ class SchedulerSide:
         config = self._settings.config
         ids = [int(b) for b in block_ids]
         num_tokens = int(request.num_computed_tokens)
-        self._orders.leases.append(LeaseOrder(request.request_id, ids, num_tokens))
+        lease_id = new_lease_id()
+        self._orders.leases.append(LeaseOrder(request.request_id, ids, num_tokens, lease_id))
         port = hello.side_channel_port if hello is not None else config.side_channel_port
-        return True, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": config.engine_id,
-            "remote_block_ids": ids,
-            "remote_host": config.advertise_host,
-            "remote_port": port,
-            "remote_request_id": request.request_id,
-            "tp_size": self._settings.tp_size,
-            "remote_incarnation_id": hello.incarnation_id if hello is not None else None,
-            "remote_num_tokens": num_tokens,
-        }
+        return True, msgspec.to_builtins(KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id=config.engine_id,
+            remote_block_ids=ids,
+            remote_host=config.advertise_host,
+            remote_port=port,
+            remote_request_id=request.request_id,
+            tp_size=self._settings.tp_size,
+            remote_incarnation_id=hello.incarnation_id if hello is not None else None,
+            remote_num_tokens=num_tokens,
+            remote_lease_id=lease_id,
+        ))

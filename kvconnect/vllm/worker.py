@@ -34,6 +34,7 @@ from kvconnect.core.connector import KVConnector
 from kvconnect.core.errors import InvalidRequestError, KVConnectError
 from kvconnect.core.lease_client import release_after_failure
 from kvconnect.core.params import KVTransferParams, parse_kv_transfer_params
+from kvconnect.core.protocol import LeaseState
 from kvconnect.core.pull import PullHandle, PullStats
 from kvconnect.vllm.layout import describe
 from kvconnect.vllm.metadata import PullOrder, StepOrders, WorkerHello
@@ -76,9 +77,12 @@ class WorkerSide:
         self.connector = KVConnector(described.cache, self._config, on_pull_done=self._pull_done,
                                      on_lease_ended=self._lease_ended)
         spec = described.cache.spec
-        log.info("kvconnect: rank %d registered %d layers (%s, %s, %d blocks of %d tokens, %.1f MiB); side channel "
-                 "port %d", self._tp_rank, spec.num_layers, described.layout, spec.kind.value, spec.num_blocks,
-                 spec.block_size, spec.cache_bytes / 2**20, self.connector.side_channel_port)
+        first = next(iter(kv_caches.values()))
+        log.info("kvconnect: rank %d registered %d layers (%s, %s, %d blocks of %d tokens, %.1f MiB; vLLM's tensor "
+                 "%s %s strides %s on %s); side channel port %d", self._tp_rank, spec.num_layers, described.layout,
+                 spec.kind.value, spec.num_blocks, spec.block_size, spec.cache_bytes / 2**20, tuple(first.shape),
+                 str(first.dtype).removeprefix("torch."), tuple(first.stride()), first.device,
+                 self.connector.side_channel_port)
 
     def hello(self) -> WorkerHello:
         conn = self._require()
@@ -97,10 +101,10 @@ class WorkerSide:
         for lease in orders.leases:
             self._leased.add(lease.request_id)
             try:
-                conn.lease(lease.request_id, lease.block_ids, lease.num_tokens)
+                conn.lease(lease.request_id, lease.block_ids, lease.num_tokens, lease_id=lease.lease_id)
             except KVConnectError as e:  # nobody can read it: give the blocks back at once
                 log.error("kvconnect: request %s: cannot lease its blocks: %s", lease.request_id, e)
-                self._lease_ended(lease.request_id)
+                self._lease_ended(lease.request_id, LeaseState.UNKNOWN)
         for raw in orders.releases:
             self._release(raw)
         for order in orders.pulls:
@@ -203,11 +207,10 @@ class WorkerSide:
                 self._stats.record_pull(stats)
         self._changed.set()
 
-    def _lease_ended(self, request_id: str) -> None:  # (loop thread, or this one)
+    def _lease_ended(self, request_id: str, state: LeaseState) -> None:  # (loop thread, or this one)
         with self._lock:
             self._ended.add(request_id)
-            if self.connector is not None:
-                self._stats.count("leases_ended", self.connector.lease_state(request_id).value)
+            self._stats.count("leases_ended", state.value)
         self._changed.set()
 
     def close(self) -> None:
