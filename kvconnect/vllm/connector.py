@@ -19,15 +19,17 @@ import logging
 from typing import Any
 
 import torch
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1 import base as vllm_base
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
 )
 
 from kvconnect.core.config import env_choice
+from kvconnect.vllm.compat import check_version, detect
 from kvconnect.vllm.metadata import StepOrders
 from kvconnect.vllm.scheduler import SchedulerSide
 from kvconnect.vllm.settings import rank_config, read_settings
@@ -35,6 +37,8 @@ from kvconnect.vllm.stats import KVConnectPromMetrics, KVConnectStats
 from kvconnect.vllm.worker import WorkerSide
 
 log = logging.getLogger(__name__)
+
+API = detect(vllm_base)  # what this vLLM's connector interface offers (compat.py)
 
 
 def _page_format(vllm_config: Any, dtype: torch.dtype, head_size: int) -> str:
@@ -69,6 +73,7 @@ def _log_to_stderr() -> None:
 
 class KVConnectConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        check_version(getattr(vllm, "__version__", ""))
         super().__init__(vllm_config, role, kv_cache_config)
         _log_to_stderr()
         self._settings = read_settings(vllm_config)
@@ -117,9 +122,11 @@ class KVConnectConnector(KVConnectorBase_V1):
         sending, recving, _ = self._w().results(finished_req_ids)
         return sending or None, recving or None
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        sending, recving, failed = self._w().results(finished_req_ids)
-        return KVConnectorTransferResults(sending, recving, failed)
+    if API.transfer_results:  # vLLM 0.32+: sends, receives and failed receives in one report
+
+        def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+            sending, recving, failed = self._w().results(finished_req_ids)
+            return vllm_base.KVConnectorTransferResults(sending, recving, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._w().load_errors()
