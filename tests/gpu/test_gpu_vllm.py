@@ -191,3 +191,26 @@ def test_a_driven_pull_of_a_vram_cache_completes_on_the_calling_thread(transport
                     assert dec.drive() is False
     finally:
         pre.stop()
+
+
+def test_a_peer_first_met_inside_inference_mode_still_serves_the_loop_thread() -> None:
+    """vLLM drives the connector inside its forward's `torch.inference_mode()`: the IPC gather opened there
+    made its id tensors inference tensors, and the loop thread's next post (outside it) failed with
+    "Inplace update to inference tensor outside InferenceMode" (seen in vLLM 0.26 on one H200)."""
+    prefill_dev, decode_dev = devices()
+    pre = start_prefill("LBHNC", prefill_dev, "ipc")
+    try:
+        torch.cuda.set_device(torch.device(decode_dev))
+        views, d, dec = decode_side("LBHNC", decode_dev, transport="ipc")
+        with dec:
+            with dec.hold_loop(), torch.inference_mode():
+                first = dec.pull(pre.lease(f"im-{uuid.uuid4().hex[:8]}", [7, 3]), [0, 9])
+                poll_until(lambda: dec.drive() and first.done(), timeout_s=60, what="the driven pull")
+                first.wait(0)
+            second = dec.pull(pre.lease(f"im-{uuid.uuid4().hex[:8]}", [50, 4]), [2, 5])  # the loop thread's
+            second.wait(60)
+            assert second.stats.transport == "ipc"
+            for lid, rid in zip([0, 9, 2, 5], [7, 3, 50, 4], strict=True):
+                assert d.cache.block_bytes(lid) == pre.ask("block", rid)
+    finally:
+        pre.stop()

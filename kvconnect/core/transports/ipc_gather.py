@@ -162,9 +162,15 @@ class IpcGather:
             _kernel()
         except ImportError as e:
             raise PeerCopyError(f"triton is not available: {e}") from e
+        import torch
+
         mapped = MappedPeer.open(info.ipc_handles, info.ipc_offsets)
         try:
-            return cls(mapped, pair, cache)
+            # its id tensors must be ordinary ones whichever thread opens the peer: a vLLM worker drives the
+            # connector inside its forward's inference mode, and a tensor made there cannot be written outside
+            # it (the loop thread's next post failed: "Inplace update to inference tensor outside InferenceMode")
+            with torch.inference_mode(False):
+                return cls(mapped, pair, cache)
         except Exception:
             mapped.close()
             raise

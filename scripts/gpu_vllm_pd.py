@@ -1,0 +1,114 @@
+"""GPU vLLM P/D on one GPU: kvconnect's plug-in against vLLM's NixlConnector on the same prompts.
+
+    python scripts/gpu_vllm_pd.py OUT_DIR [--prompts 16]
+
+Starts, on the one GPU, an aggregated vLLM server, a prefill + decode pair with kvconnect's plug-in and a
+prefill + decode pair with vLLM's NixlConnector, each pair behind kvconnect's proxy (the same wire drives
+both). A generated tiny Llama (random weights, byte-level BPE tokenizer), bf16, the FLASH_ATTN backend.
+Greedy prompts of 1 to ~1,500 tokens, completions and chat, streamed and not, go through both proxies;
+per prompt it prints whether kvconnect's tokens equal NixlConnector's and the aggregated server's. Then
+it prints what kvconnect's workers logged at registration (the tensor shape and strides vLLM handed
+`register_kv_caches`), the transport each decode picked, and both decodes' transfer metrics. Writes
+`pd.json` and the server logs under OUT_DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from kvconnect.testing.net import free_port
+from kvconnect.testing.tiny_llama import TinyLlama, build, prompt_of
+from kvconnect.testing.vllm_cluster import Server, VllmCluster, connector_json, generate, kvconnect_config
+
+MAX_TOKENS = 8
+GPU_ARGS = ["--gpu-memory-utilization", "0.12", "--kv-cache-memory-bytes", "4G"]
+LENGTHS = [1, 5, 16, 17, 33, 64, 100, 250, 256, 400, 511, 700, 900, 1100, 1300, 1500]
+
+
+def metrics_text(url: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        m = re.match(r"^(vllm:(?:kvconnect|nixl)_[a-z_]+(?:_sum|_count|_total))(?:\{[^}]*\})? ([0-9.e+-]+)$", line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--prompts", type=int, default=len(LENGTHS))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    ckpt = build(args.out / "tiny-llama", TinyLlama.named("tiny"))
+    nixl_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+    servers = [
+        Server("aggregated", None, args=GPU_ARGS),
+        Server("kvc-prefill", kvconnect_config("kv_producer"), args=GPU_ARGS),
+        Server("kvc-decode", kvconnect_config("kv_consumer"), args=GPU_ARGS),
+        Server("nixl-prefill", connector_json("NixlConnector", "kv_producer"), args=GPU_ARGS,
+               env={**nixl_env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}),
+        Server("nixl-decode", connector_json("NixlConnector", "kv_consumer"), args=GPU_ARGS,
+               env={**nixl_env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}),
+    ]
+    cluster = VllmCluster(str(ckpt), servers, str(args.out / "logs"), max_model_len=2048)
+    with cluster as c:
+        print(f"5 servers healthy after {time.monotonic() - t0:.0f} s", flush=True)
+        proxies = {}
+        for pair in ("kvc", "nixl"):
+            port = free_port()
+            cmd = [sys.executable, "-m", "kvconnect.cli", "--log-level", "INFO", "proxy", "--host", "127.0.0.1",
+                   "--port", str(port), "--prefill", c.urls[f"{pair}-prefill"], "--decode", c.urls[f"{pair}-decode"]]
+            c._cmds[f"{pair}-proxy"] = (cmd, c.base_env(Server("proxy")))
+            c.urls[f"{pair}-proxy"] = proxies[pair] = f"http://127.0.0.1:{port}"
+            c._spawn(f"{pair}-proxy")
+        c.wait_healthy(["kvc-proxy", "nixl-proxy"])
+        for pair in ("kvc", "nixl"):  # first contact (handshakes) outside the table
+            generate(proxies[pair], prompt_of(40, seed=999), 2)
+        rows = []
+        for i, n in enumerate(LENGTHS[: args.prompts]):
+            chat, stream = i % 4 == 3, i % 3 == 1
+            prompt = prompt_of(n, seed=n + 1)
+            agg = generate(c.urls["aggregated"], prompt, MAX_TOKENS, chat=chat)
+            kvc = generate(proxies["kvc"], prompt, MAX_TOKENS, chat=chat, stream=stream)
+            nixl = generate(proxies["nixl"], prompt, MAX_TOKENS, chat=chat, stream=stream)
+            row = {"tokens~": n, "chat": chat, "stream": stream, "status": [kvc["status"], nixl["status"]],
+                   "kvc_eq_nixl": kvc["token_ids"] == nixl["token_ids"],
+                   "kvc_eq_agg": kvc["token_ids"] == agg["token_ids"],
+                   "nixl_eq_agg": nixl["token_ids"] == agg["token_ids"],
+                   "kvc": kvc["token_ids"], "nixl": nixl["token_ids"], "agg": agg["token_ids"],
+                   "errors": [kvc["error"], nixl["error"]]}
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("kvc", "nixl", "agg")}), flush=True)
+        m = {name: metrics_text(c.urls[name]) for name in ("kvc-decode", "nixl-decode", "kvc-prefill")}
+        logs = {name: (args.out / "logs" / f"{name}.log").read_text(errors="replace")
+                for name in ("kvc-prefill", "kvc-decode")}
+    registered = [line for text in logs.values() for line in text.splitlines() if "registered" in line
+                  and "kvconnect" in line]
+    ready = [line for line in logs["kvc-decode"].splitlines() if "ready:" in line]
+    summary = {
+        "prompts": len(rows),
+        "all_200": all(r["status"] == [200, 200] for r in rows),
+        "kvc_eq_nixl": sum(r["kvc_eq_nixl"] for r in rows),
+        "kvc_eq_agg": sum(r["kvc_eq_agg"] for r in rows),
+        "nixl_eq_agg": sum(r["nixl_eq_agg"] for r in rows),
+        "kvc_eq_agg_where_nixl_eq_agg": all(r["kvc_eq_agg"] for r in rows if r["nixl_eq_agg"]),
+    }
+    print("SUMMARY", json.dumps(summary), flush=True)
+    print("REGISTERED", *registered, sep="\n", flush=True)
+    print("READY", *ready, sep="\n", flush=True)
+    print("METRICS", json.dumps(m, indent=1), flush=True)
+    (args.out / "pd.json").write_text(json.dumps({"summary": summary, "rows": rows, "metrics": m,
+                                                  "registered": registered, "ready": ready}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
