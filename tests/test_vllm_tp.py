@@ -11,6 +11,7 @@ here, so a token that differs is the transfer's doing."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,9 @@ from tests.faultkit import scrape  # noqa: E402
 MAX_TOKENS = 4
 # (tokens, seed): short and multi-block prompts, each length twice; a stall of the kind the I/O thread's pin
 # caused hit about one request in nine, so a handful per direction is needed to see one
-PROMPTS = [(n, seed) for n in (5, 90, 300, 600) for seed in (1, 2)]
+# KVCONNECT_VLLM_TP_ROUNDS=k repeats the set k times with fresh seeds (a soak of the same servers)
+ROUNDS = int(os.environ.get("KVCONNECT_VLLM_TP_ROUNDS", "1"))
+PROMPTS = [(n, seed + 2 * r) for r in range(ROUNDS) for n in (5, 90, 300, 600) for seed in (1, 2)]
 DTYPE = "float32"
 
 

@@ -28,6 +28,7 @@ import numpy as np
 import zmq
 
 from kvconnect.core import protocol as p
+from kvconnect.core.affinity import io_cpus, place_current_thread, threads_started_on
 from kvconnect.core.agent import AgentOptions, MemKind, NixlAgent
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig, TransportChoice
@@ -67,59 +68,61 @@ class KVConnector:
         self._on_lease_ended = on_lease_ended or (lambda request_id, state: None)
         self._on_pull_done = on_pull_done
         self._leases = LeaseTable(config.lease_ttl_s, clock, self._blocks_freed, grace_s=config.lease_grace_s)
-        self._agent = NixlAgent(
-            f"{self.engine_id}-{self.incarnation_id[:12]}",
-            AgentOptions(num_threads=config.nixl_threads, telemetry=config.telemetry),
-        )
-        regions = np.array(
-            [[addr, self.spec.region_bytes, cache.device_id] for addr in cache.base_addrs()], dtype=np.int64
-        )
-        self._agent.register(regions, MemKind.for_device(self.spec.device))
-        ipc_handles, ipc_offsets, host = [], [], ""
-        if self.spec.device == "cuda" and config.transport is not TransportChoice.NIXL:
-            from kvconnect.core.transports import ipc_gather
+        # NIXL's UCX and ZMQ start threads of their own here: not on the cores an engine pinned this thread to
+        with threads_started_on(io_cpus(config.loop_cpu_set)):
+            self._agent = NixlAgent(
+                f"{self.engine_id}-{self.incarnation_id[:12]}",
+                AgentOptions(num_threads=config.nixl_threads, telemetry=config.telemetry),
+            )
+            regions = np.array(
+                [[addr, self.spec.region_bytes, cache.device_id] for addr in cache.base_addrs()], dtype=np.int64
+            )
+            self._agent.register(regions, MemKind.for_device(self.spec.device))
+            ipc_handles, ipc_offsets, host = [], [], ""
+            if self.spec.device == "cuda" and config.transport is not TransportChoice.NIXL:
+                from kvconnect.core.transports import ipc_gather
 
-            try:
-                exported = [ipc_gather.export_region(addr) for addr in cache.base_addrs()]
-                ipc_handles, ipc_offsets = [h for h, _ in exported], [o for _, o in exported]
-                host = ipc_gather.host_id()
-            except ipc_gather.PeerCopyError as e:
-                log.warning("CUDA IPC export unavailable, peers will use NIXL: %s", e)
-        self._peer_info = p.PeerInfo(
-            protocol_version=p.PROTOCOL_VERSION,
-            engine_id=self.engine_id,
-            incarnation_id=self.incarnation_id,
-            agent_name=self._agent.name,
-            agent_metadata=self._agent.metadata(),
-            spec=self.spec,
-            base_addrs=cache.base_addrs(),
-            device_id=cache.device_id,
-            host_id=host,
-            ipc_handles=ipc_handles,
-            ipc_offsets=ipc_offsets,
-            lease_grace_ms=round(config.lease_grace_s * 1000),
-        )
-        self._ctx = zmq.Context()
-        secret = config.secret_bytes
-        self._server = SideChannelServer(
-            self._ctx, config.side_channel_host, config.side_channel_port, self._handle, secret
-        )
-        self.side_channel_port = self._server.port
-        self._ipc_problem = ""  # why the IPC gather cannot run here ("" = it can, as far as we know)
-        self._decode = DecodeSide(PeerSet(self._agent, cache, config, self._ctx, secret, lambda: self._ipc_problem),
-                                  cache, config,
-                                  self.engine_id, self._counters, self._pull_done)
-        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._stop = threading.Event()
-        self._tick_lock = threading.Lock()  # one tick at a time, on the loop thread or a driving thread
-        self._gate = threading.Lock()  # held by `hold_loop` (fault injection): the loop thread waits at it
-        self._driven_until = 0.0  # until then a caller is driving: the loop thread leaves the ticks to it
-        self._device_index = cache.regions[0].device.index if self.spec.device == "cuda" else None
-        self._thread = threading.Thread(target=self._run, name=f"kvc-loop-{self.engine_id}", daemon=True)
-        self._thread.start()
+                try:
+                    exported = [ipc_gather.export_region(addr) for addr in cache.base_addrs()]
+                    ipc_handles, ipc_offsets = [h for h, _ in exported], [o for _, o in exported]
+                    host = ipc_gather.host_id()
+                except ipc_gather.PeerCopyError as e:
+                    log.warning("CUDA IPC export unavailable, peers will use NIXL: %s", e)
+            self._peer_info = p.PeerInfo(
+                protocol_version=p.PROTOCOL_VERSION,
+                engine_id=self.engine_id,
+                incarnation_id=self.incarnation_id,
+                agent_name=self._agent.name,
+                agent_metadata=self._agent.metadata(),
+                spec=self.spec,
+                base_addrs=cache.base_addrs(),
+                device_id=cache.device_id,
+                host_id=host,
+                ipc_handles=ipc_handles,
+                ipc_offsets=ipc_offsets,
+                lease_grace_ms=round(config.lease_grace_s * 1000),
+            )
+            self._ctx = zmq.Context()
+            secret = config.secret_bytes
+            self._server = SideChannelServer(
+                self._ctx, config.side_channel_host, config.side_channel_port, self._handle, secret
+            )
+            self.side_channel_port = self._server.port
+            self._ipc_problem = ""  # why the IPC gather cannot run here ("" = it can, as far as we know)
+            self._decode = DecodeSide(PeerSet(self._agent, cache, config, self._ctx, secret, lambda: self._ipc_problem),
+                                      cache, config,
+                                      self.engine_id, self._counters, self._pull_done)
+            self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+            self._wake_r, self._wake_w = os.pipe()
+            os.set_blocking(self._wake_r, False)
+            os.set_blocking(self._wake_w, False)
+            self._stop = threading.Event()
+            self._tick_lock = threading.Lock()  # one tick at a time, on the loop thread or a driving thread
+            self._gate = threading.Lock()  # held by `hold_loop` (fault injection): the loop thread waits at it
+            self._driven_until = 0.0  # until then a caller is driving: the loop thread leaves the ticks to it
+            self._device_index = cache.regions[0].device.index if self.spec.device == "cuda" else None
+            self._thread = threading.Thread(target=self._run, name=f"kvc-loop-{self.engine_id}", daemon=True)
+            self._thread.start()
         if not config.confirm_reads:
             log.warning("confirm_reads is off: a pull is trusted without asking the prefill whether its lease held "
                         "until the read ended, so a lease that expired mid-read goes unnoticed (not fail-closed)")
@@ -274,7 +277,7 @@ class KVConnector:
             pass
 
     def _run(self) -> None:
-        self._place_thread()
+        place_current_thread(io_cpus(self.config.loop_cpu_set), "connector loop")  # (see affinity.py)
         if self.spec.device == "cuda":  # NIXL and the IPC path need this device's context on this thread
             import torch
 
@@ -347,17 +350,6 @@ class KVConnector:
         served either); only `drive` moves work."""
         with self._gate:
             yield
-
-    def _place_thread(self) -> None:
-        """Run this I/O thread on `loop_cpus`, by default on any CPU the process may use rather than the
-        core the creating thread was pinned to (the kernel keeps the mask inside the process's cpuset)."""
-        cpus = self.config.loop_cpu_set or frozenset(range(os.cpu_count() or 1))
-        try:
-            os.sched_setaffinity(0, cpus)
-        except (OSError, AttributeError) as e:  # (no CPU of the list is allowed here; or not Linux)
-            log.warning("connector loop stays on CPUs %s: cannot move it to %s: %s",
-                        sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "?",
-                        self.config.loop_cpus or "all", e)
 
     def _warm_up_gather(self) -> None:
         """Compile the IPC gather now (Triton needs a C compiler and Python headers at first use). If it
