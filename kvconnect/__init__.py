@@ -35,6 +35,7 @@ from kvconnect.core.errors import (
     TransferTimeoutError,
 )
 from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.lease import new_lease_id
 from kvconnect.core.params import KVTransferParams, parse_kv_transfer_params
 from kvconnect.core.protocol import LeaseState
 from kvconnect.core.pull import PullHandle, PullStats
@@ -72,5 +73,6 @@ __all__ = [
     "TransferTimeoutError",
     "TransportChoice",
     "connector_config",
+    "new_lease_id",
     "parse_kv_transfer_params",
 ]

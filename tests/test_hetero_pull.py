@@ -103,7 +103,8 @@ def test_tp_size_that_cannot_split_the_heads_is_refused_naming_it() -> None:
         proc = PrefillProcess.start(spec(LayoutKind.CROSS_LAYER, 1, 0, 4, 16, "NHD", 8), engine_id="dec")
         stack.callback(proc.stop)
         params = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_block_ids": [1],
-                  "remote_host": "127.0.0.1", "remote_port": 5999, "remote_request_id": "x", "remote_lease_id": "lease-x", "tp_size": 3}
+                  "remote_host": "127.0.0.1", "remote_port": 5999, "remote_request_id": "x",
+                  "remote_lease_id": "lease-x", "tp_size": 3}
         answer = proc.ask("pull", msgspec.json.encode(params), [0], timeout_s=30)
         assert answer[:2] == ("failed", "InvalidRequestError")
         assert "kv_transfer_params.tp_size" in answer[2] and "tp_size 3 does not divide the model's 4 KV heads" in \

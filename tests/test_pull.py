@@ -217,7 +217,8 @@ def test_dead_prefill_address_fails_within_deadline() -> None:
     from kvconnect.core.params import KVTransferParams
 
     params = KVTransferParams(do_remote_prefill=True, remote_engine_id="ghost", remote_block_ids=[1],
-                              remote_host="127.0.0.1", remote_port=port, remote_request_id="r", remote_lease_id="lease-r")
+                              remote_host="127.0.0.1", remote_port=port, remote_request_id="r",
+                              remote_lease_id="lease-r")
     with decoder(LayoutKind.CROSS_LAYER, handshake_timeout_s=0.5) as dec:
         with pytest.raises(HandshakeTimeoutError, match="ghost"):  # (the caller's own 10 s would raise another)
             dec.pull(params, [0]).wait(10)
@@ -294,7 +295,8 @@ def test_a_pull_ends_by_its_own_deadline_while_its_peer_never_answers() -> None:
     silent.setsockopt(zmq.LINGER, 0)
     port = silent.bind_to_random_port("tcp://127.0.0.1")
     params = KVTransferParams(do_remote_prefill=True, remote_engine_id="mute", remote_block_ids=[1],
-                              remote_host="127.0.0.1", remote_port=port, remote_request_id="r", remote_lease_id="lease-r")
+                              remote_host="127.0.0.1", remote_port=port, remote_request_id="r",
+                              remote_lease_id="lease-r")
     try:
         with decoder(LayoutKind.CROSS_LAYER, handshake_timeout_s=60, pull_timeout_s=1.0) as dec:
             with pytest.raises(TransferTimeoutError, match="not ready within the pull's deadline"):
@@ -311,7 +313,8 @@ def test_the_peer_allowlist_refuses_a_host_before_any_connection() -> None:
         listener.settimeout(0.5)
         port = listener.getsockname()[1]
         params = KVTransferParams(do_remote_prefill=True, remote_engine_id="p", remote_block_ids=[1],
-                                  remote_host="127.0.0.1", remote_port=port, remote_request_id="r", remote_lease_id="lease-r")
+                                  remote_host="127.0.0.1", remote_port=port, remote_request_id="r",
+                                  remote_lease_id="lease-r")
         with decoder(LayoutKind.CROSS_LAYER, peer_allowlist="10.0.0.0/8, prefill.internal") as dec:
             with pytest.raises(InvalidRequestError) as e:
                 dec.pull(params, [0])

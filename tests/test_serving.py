@@ -117,7 +117,8 @@ def test_hand_driven_legs_use_vllm_field_names(cluster: Cluster) -> None:
 ])
 def test_malformed_kv_transfer_params_get_400_naming_the_field(cluster: Cluster, patch: dict, field: str) -> None:
     params = {"do_remote_prefill": True, "remote_engine_id": "demo-prefill", "remote_block_ids": [1],
-              "remote_host": "127.0.0.1", "remote_port": 5999, "remote_request_id": "x", "remote_lease_id": "lease-x", "tp_size": 1}
+              "remote_host": "127.0.0.1", "remote_port": 5999, "remote_request_id": "x",
+              "remote_lease_id": "lease-x", "tp_size": 1}
     params.update(patch)
     params = {k: v for k, v in params.items() if v is not None}
     r = httpx.post(cluster.urls["decode"] + "/v1/completions",

@@ -1,4 +1,4 @@
-"""kvconnect as a vLLM KV-connector plug-in (vLLM 0.32's `KVConnectorBase_V1`).
+"""kvconnect as a vLLM KV-connector plug-in (`KVConnectorBase_V1` of vLLM 0.26 to 0.33; see compat.py).
 
     --kv-transfer-config '{"kv_connector": "KVConnectConnector", "kv_connector_module_path": "kvconnect.vllm",
                            "kv_role": "kv_producer", "kv_connector_extra_config": {"secret": "..."}}'
