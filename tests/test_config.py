@@ -159,3 +159,29 @@ def test_the_io_thread_leaves_the_core_its_creator_was_pinned_to() -> None:
     assert loop_cpus_of_a_connector_made_on({first}, loop_cpus=str(last)) == {last}
     with pytest.raises(ConfigError, match="loop_cpus.*KVCONNECT_LOOP_CPUS.*'x'"):
         connector_config({"KVCONNECT_LOOP_CPUS": "0,x"})
+
+
+def test_the_secret_never_shows_in_a_repr_an_error_or_vllms_start_up_line(caplog) -> None:
+    """vLLM logs kv_connector_extra_config in clear; a repr or a refused value would print the secret too."""
+    import logging
+
+    from kvconnect.core.errors import ConfigError
+
+    config = connector_config({}, secret="hunter2-secret", side_channel_host="127.0.0.1")
+    assert "hunter2-secret" not in repr(config) and "secret=<hidden>" in repr(config)
+    with pytest.raises(ConfigError) as e:
+        connector_config({"KVCONNECT_SECRET": "x"}, secret=987654321)
+    assert "987654321" not in str(e.value) and "secret" in str(e.value)
+    pytest.importorskip("vllm", reason="the plug-in's settings need vllm")
+    from types import SimpleNamespace
+
+    from kvconnect.vllm.settings import read_settings
+
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config={"secret": "hunter2-secret"}, engine_id="e",
+                                           kv_role="kv_producer"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1), cache_config=SimpleNamespace(block_size=16))
+    with caplog.at_level(logging.WARNING, logger="kvconnect.vllm.settings"):
+        read_settings(vllm_config)
+    assert any("secret_file" in r.getMessage() for r in caplog.records)
+    assert not any("hunter2-secret" in r.getMessage() for r in caplog.records)

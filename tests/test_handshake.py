@@ -13,7 +13,7 @@ import zmq
 
 from kvconnect.core import protocol as p
 from kvconnect.core.errors import AuthError, HandshakeError, HandshakeTimeoutError
-from kvconnect.core.handshake import PeerChannel, SideChannelServer, request, zmq_address
+from kvconnect.core.handshake import PeerChannel, SideChannelServer, now_ms, request, zmq_address
 from kvconnect.core.layout import CacheSpec, LayoutKind
 
 SPEC = CacheSpec(kind=LayoutKind.BLOCKS_FIRST, dtype="float16", num_layers=2, num_blocks=8, block_size=16,
@@ -239,3 +239,47 @@ def test_refusals_are_signed_and_a_client_trusts_no_unsigned_one(ctx) -> None:
     finally:
         ch.close()
         fake.close()
+
+
+def test_a_flood_is_served_in_bounded_batches_so_the_loop_keeps_ticking(ctx) -> None:
+    """poll() drained the socket whole while the connector held its tick lock: garbage frames at a prefill
+    kept its loop from expiring leases, draining notifications or driving pulls. One poll now serves at most
+    MAX_PER_POLL messages; the rest wait for the next one."""
+    from kvconnect.core.handshake import MAX_PER_POLL
+
+    server = SideChannelServer(ctx, "127.0.0.1", 0, handler, b"s3cret")
+    flood = ctx.socket(zmq.DEALER)
+    flood.setsockopt(zmq.LINGER, 0)
+    flood.connect(zmq_address("127.0.0.1", server.port))
+    try:
+        sent = 5 * MAX_PER_POLL
+        for _ in range(sent):
+            flood.send_multipart([b"", b"\xc1garbage"])
+        handled, polls = 0, 0
+        deadline = time.monotonic() + 10
+        while handled < sent and time.monotonic() < deadline:
+            n = server.poll(100)
+            assert n <= MAX_PER_POLL
+            handled, polls = handled + n, polls + (n > 0)
+        assert handled == sent and polls >= 5
+    finally:
+        flood.close()
+        server.close()
+
+
+def test_refusals_are_logged_rate_limited_and_truncated(ctx, caplog) -> None:
+    """Five 4 MiB Hellos under a wrong secret wrote 20 MB of log: a peer's id is logged truncated, and
+    refusals past a few per second are only counted."""
+    import logging
+
+    server = SideChannelServer(ctx, "127.0.0.1", 0, handler, b"s3cret")
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvconnect.core.handshake"):
+            for _ in range(50):
+                msg = p.sign_request(b"wrong", p.Hello(p.PROTOCOL_VERSION, "x" * 100_000, os.urandom(16), now_ms()))
+                server._answer(p.encode(msg))
+        lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert 1 <= len(lines) <= 10 and max(len(x) for x in lines) < 300
+        assert server.num_refused == 50
+    finally:
+        server.close()

@@ -137,6 +137,11 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
         """`loop_cpus` as CPU numbers (empty: every CPU the process may use)."""
         return parse_cpu_list(self.loop_cpus)
 
+    def __repr__(self) -> str:  # (the secret never reaches a log line through a repr)
+        fields = ", ".join(f"{name}={'<hidden>' if name == 'secret' and value else repr(value)}"
+                           for name, value in ((n, getattr(self, n)) for n in self.__struct_fields__))
+        return f"ConnectorConfig({fields})"
+
     @property
     def secret_bytes(self) -> bytes:
         return self.secret.encode()
@@ -196,8 +201,8 @@ def _setting_problem(error: msgspec.ValidationError, raw: Mapping[str, object]) 
                                            "FailurePolicy": FailurePolicy}
     allowed = choices.get(str(kind))
     what = f"one of {[x.value for x in allowed]}" if allowed else str(kind).replace("'", "")
-    return (f"setting {name} ({ENV_PREFIX}{name.upper()}): {raw.get(name)!r} is not valid ({reason}); "
-            f"expected {what}")
+    given = "the value given" if name == "secret" else repr(raw.get(name))  # (a secret is never echoed)
+    return f"setting {name} ({ENV_PREFIX}{name.upper()}): {given} is not valid ({reason}); expected {what}"
 
 
 def env_setting(name: str, default: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:

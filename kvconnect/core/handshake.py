@@ -30,6 +30,9 @@ CLOCK_SKEW_S = 120.0  # a signed message is accepted within this many seconds of
 # refused rather than old nonces forgotten, so nothing becomes replayable. 1,000,000 nonces over the 240 s
 # window is a sustained ~4,000 signed messages/s per worker (each pull sends two or three).
 MAX_NONCES = 1_000_000
+MAX_PER_POLL = 64  # messages one poll serves: a flood must not hold the loop's tick lock (the rest wait a tick)
+REFUSAL_LOGS_PER_S = 5.0  # refusal log lines per second at most (the rest are counted into the next line)
+MAX_LOGGED_ID = 64  # characters of a peer-sent id in a log line
 
 
 def now_ms() -> int:
@@ -68,13 +71,15 @@ class SideChannelServer:
             self.sock.bind(zmq_address(host, port))
             self.port = port
         self.num_refused = 0
+        self._log_budget, self._log_at, self._unlogged = REFUSAL_LOGS_PER_S, time.monotonic(), 0
 
-    def poll(self, timeout_ms: int) -> int:
-        """Serve every message that arrives within `timeout_ms`; returns how many were handled."""
+    def poll(self, timeout_ms: int, max_messages: int = MAX_PER_POLL) -> int:
+        """Serve the messages that arrive within `timeout_ms`, at most `max_messages` of them (the caller
+        polls again: the socket stays readable); returns how many were handled."""
         handled = 0
         if not self.sock.poll(timeout_ms):
             return 0
-        while True:
+        while handled < max_messages:
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -89,6 +94,20 @@ class SideChannelServer:
                 self.sock.send_multipart([ident, *envelope, p.encode(reply)], zmq.NOBLOCK)
             except zmq.ZMQError as e:  # the peer left, or its queue is full: drop
                 log.debug("side channel: reply dropped: %s", e)
+        return handled
+
+    def _log_refusal(self, what: str, engine_id: str, problem: str) -> None:
+        """A refusal's log line, rate-limited (a peer chooses how often it is refused, and its id)."""
+        now = time.monotonic()
+        self._log_budget = min(REFUSAL_LOGS_PER_S, self._log_budget + (now - self._log_at) * REFUSAL_LOGS_PER_S)
+        self._log_at = now
+        if self._log_budget < 1:
+            self._unlogged += 1
+            return
+        self._log_budget -= 1
+        more = f" ({self._unlogged} more refusals not logged)" if self._unlogged else ""
+        self._unlogged = 0
+        log.warning("side channel: refused %s from engine %r: %s%s", what, engine_id[:MAX_LOGGED_ID], problem, more)
 
     def _answer(self, payload: bytes) -> p.Reply:
         try:
@@ -101,7 +120,7 @@ class SideChannelServer:
         problem = self._auth_problem(msg) if self._secret else ""
         if problem:
             self.num_refused += 1
-            log.warning("side channel: refused %s from engine %r: %s", type(msg).__name__, msg.engine_id, problem)
+            self._log_refusal(type(msg).__name__, msg.engine_id, problem)
             reply = p.ErrorReply(p.ErrorCode.AUTH, problem, ref=p.ref_of(msg))
         else:
             try:

@@ -15,12 +15,15 @@ later), so decodes are told to ask again about a lease not granted yet. vLLM hol
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import msgspec
 
 from kvconnect.core.config import ConnectorConfig, connector_config, env_overrides
 from kvconnect.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 DECIDED_BY_VLLM = ("engine_id", "failure_policy")
 LEASE_GRACE_S = 10.0  # how long after request_finished a lease may still be granted (one engine step, or two)
@@ -47,6 +50,9 @@ def read_settings(vllm_config: Any) -> VllmSettings:
     if decided:
         raise ConfigError(f"kv_connector_extra_config: {decided} are vLLM's to decide (kv_transfer_config.engine_id,"
                           " kv_transfer_config.kv_load_failure_policy)")
+    if extra.get("secret"):
+        log.warning("kvconnect: kv_connector_extra_config.secret is set, and vLLM logs kv_connector_extra_config "
+                    "in clear at start-up; give the secret as secret_file (a mounted file) or KVCONNECT_SECRET_FILE")
     if not kvt.engine_id:
         raise ConfigError("kv_transfer_config.engine_id is empty")
     tp_size = int(vllm_config.parallel_config.tensor_parallel_size)

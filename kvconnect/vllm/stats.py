@@ -8,6 +8,7 @@ front-end process, which logs `reduce()` and feeds `KVConnectPromMetrics.observe
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,19 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 SERIES = ("pull_s", "xfer_s", "post_s", "bytes", "num_descs")  # one value per successful pull
 COUNTS = ("failed", "leases_ended")  # {label: count}
+
+
+_INDEX = re.compile(r"\[[^\]]*\]")
+
+
+def failure_reason(error: Exception) -> str:
+    """The `reason` label of a failed pull: the error's class, and the field it names without list indexes
+    (a client chooses those: `remote_block_ids[100]` would make a label value per index)."""
+    field_name = getattr(error, "field", None)
+    if not isinstance(field_name, str):
+        return type(error).__name__
+    bare = _INDEX.sub("", field_name)[:64]
+    return f"{type(error).__name__}({bare})"
 
 
 def _empty() -> dict[str, Any]:

@@ -38,7 +38,7 @@ from kvconnect.core.protocol import LeaseState
 from kvconnect.core.pull import PullHandle, PullStats
 from kvconnect.vllm.layout import describe
 from kvconnect.vllm.metadata import PullOrder, StepOrders, WorkerHello
-from kvconnect.vllm.stats import KVConnectStats
+from kvconnect.vllm.stats import KVConnectStats, failure_reason
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class WorkerSide:
         if load.error is not None:
             return
         load.error = error
-        reason = type(error).__name__ + (f"({error.field})" if isinstance(error, InvalidRequestError) else "")
+        reason = failure_reason(error)
         with self._lock:
             self._stats.count("failed", reason)
         log.warning("kvconnect: request %s: KV load failed (%s: %s); vLLM's kv_load_failure_policy applies",
