@@ -176,3 +176,33 @@ def test_free_ports_come_from_below_the_kernels_ephemeral_range() -> None:
     ports = {free_port() for _ in range(20)}
     assert all(LOW_PORT <= port < top for port in ports), (sorted(ports), top)
     assert len(ports) > 1  # picked at random, so two callers rarely collide
+
+
+@pytest.mark.parametrize("server", ["proxy", "decode"])
+def test_deeply_nested_or_oversized_bodies_are_refused_not_crashed_on(cluster: Cluster, server: str) -> None:
+    """A 100,000-deep JSON array raised RecursionError (a 500); a body of any size was read whole."""
+    url = cluster.urls[server] + "/v1/completions"
+    for field in ("prompt", "user"):  # (a typed field is refused by type first; an untyped one by depth)
+        deep = b'{"prompt": "p", "' + field.encode() + b'": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        r = httpx.post(url, content=deep, headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 400, r.text
+    from kvconnect.serving.bodies import DEFAULT_MAX_BODY_BYTES
+
+    big = b'{"prompt": "' + b"x" * (DEFAULT_MAX_BODY_BYTES + 1) + b'"}'
+    r = httpx.post(url, content=big, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413, r.text
+    assert complete(cluster.urls["proxy"], "still serving", 3)["status"] == 200
+
+
+def test_a_body_the_decode_refuses_still_releases_the_lease_its_params_name(cluster: Cluster) -> None:
+    """The rest of the body fails validation (max_tokens 0) but its kv_transfer_params parse: the decode
+    releases the prefill's lease at once instead of leaving it to the TTL."""
+    from tests.faultkit import prefill_leg
+
+    params = prefill_leg(cluster.urls["prefill"], "a refused body still names its lease", "refused-body-1")
+    assert health(cluster.urls["prefill"])["leased_blocks"] > 0
+    body = {"prompt": "a refused body still names its lease", "max_tokens": 0, "kv_transfer_params": params}
+    r = httpx.post(cluster.urls["decode"] + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    poll_until(lambda: health(cluster.urls["prefill"])["leased_blocks"] == 0, timeout_s=20,
+               what="the refused body's lease released (TTL is 60 s)")

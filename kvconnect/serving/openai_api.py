@@ -54,6 +54,8 @@ def parse_body(raw: bytes, chat: bool) -> GenerateBody:
         raise InvalidRequestError(m.group(1) if m and m.group(1) else "body", str(e).split(" - at ")[0]) from e
     except msgspec.DecodeError as e:
         raise InvalidRequestError("body", f"not valid JSON: {e}") from e
+    except RecursionError as e:
+        raise InvalidRequestError("body", "JSON nested too deeply") from e
     if chat and not body.messages:
         raise InvalidRequestError("messages", "required and non-empty for chat completions")
     if not chat and (body.prompt is None or body.prompt == "" or body.prompt == []):

@@ -33,8 +33,9 @@ from starlette.routing import Route
 
 from kvconnect.core import lease_client
 from kvconnect.core.config import env_int, env_setting, secret_from_env
-from kvconnect.core.errors import ConfigError, KVConnectError
+from kvconnect.core.errors import ConfigError, InvalidRequestError, KVConnectError
 from kvconnect.core.params import parse_kv_transfer_params
+from kvconnect.serving.bodies import BodyTooLargeError, decode_json, read_body
 from kvconnect.serving.openai_api import error_body
 
 log = logging.getLogger(__name__)
@@ -84,12 +85,13 @@ class Proxy:
         request_id = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
         headers = {"x-request-id": request_id, "content-type": "application/json"}
         try:
-            body = json.loads(await request.body())
+            body = decode_json(await read_body(request))
             if not isinstance(body, dict):
-                raise ValueError("the body must be a JSON object")
-        except ValueError as e:
+                raise InvalidRequestError("body", "must be a JSON object")
+        except InvalidRequestError as e:
             self.metrics.requests.labels("bad_request").inc()
-            return JSONResponse(error_body(400, f"invalid JSON body: {e}", "body"), status_code=400)
+            status = 413 if isinstance(e, BodyTooLargeError) else 400
+            return JSONResponse(error_body(status, f"invalid body: {e.reason}", "body"), status_code=status)
         body.pop("kv_transfer_params", None)  # never let a client pick where workers connect
         gone = asyncio.ensure_future(_disconnected(request))
         try:

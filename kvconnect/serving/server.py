@@ -48,6 +48,7 @@ from kvconnect.engine.sampling import SamplingParams
 from kvconnect.engine.sequence import TokenEvent
 from kvconnect.serving import faults
 from kvconnect.serving import openai_api as api
+from kvconnect.serving.bodies import BodyTooLargeError, raw_kv_params, read_body
 from kvconnect.serving.metrics import WorkerMetrics
 from kvconnect.serving.pd import LeaseKeeper, PullLoader, check_remote_blocks
 
@@ -108,9 +109,10 @@ class Worker:
 
     async def generate(self, request: Request, chat: bool) -> Response:
         request_id = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
-        kv = None
+        kv = raw = None
         try:
-            body = api.parse_body(await request.body(), chat)
+            raw = await read_body(request)
+            body = api.parse_body(raw, chat)
             kv = parse_kv_transfer_params(body.kv_transfer_params)
             prompt_ids = self._tokenize(body)
             sampling = SamplingParams(max_tokens=body.limit, temperature=body.temperature, top_p=body.top_p,
@@ -129,10 +131,12 @@ class Worker:
                                     on_failed=self._on_pull_failed)
             events = self._submit(request_id, prompt_ids, sampling, loader, keeper)
         except LocalError as e:
+            if kv is None and raw is not None:
+                kv = raw_kv_params(raw)  # the body was refused, but its params may still name a lease
             if kv is not None and kv.do_remote_prefill:
                 self.connector.release_remote(kv)  # refused: free the prefill's blocks now
             self.metrics.requests.labels("rejected").inc()
-            return self._error(400, e)
+            return self._error(413 if isinstance(e, BodyTooLargeError) else 400, e)
         engine_rid = request_id
         first = await events.get()
         if first.finished and loader is not None and loader.quarantined:
