@@ -1,13 +1,16 @@
 """Soak: requests through the proxy at concurrency 32 while faults are injected at random.
 
 Faults: client aborts (the client hangs up after a random delay), forced lease expiries with the blocks
-scribbled over (and reads armed to find their lease expired), one SIGKILL + restart of a decode worker
-and one of the prefill worker. Two decode workers sit behind the proxy: "decode" fails a request whose
-pull failed, "decode-r" recomputes it. At the end: every completion equals the aggregated worker's or
-failed with an error naming its class; none is wrong and none unexplained; no block is leased,
-allocated or quarantined on any worker; every process stays under RSS_BOUND_BYTES of resident memory
-and those never restarted grew less than RSS_GROWTH_BYTES; each failure class a client saw is counted
-in /metrics; and the failure each client saw was logged once (one WARNING line with its request id).
+scribbled over (and reads armed to find their lease expired), one SIGKILL + restart of a decode worker and
+one of the prefill worker. Attacks, mixed into the load (`Attacks`): params replayed to a second decode
+after the first one read them, PINs and CONFIRMs with forged read tokens or made-up lease ids, and an
+unauthenticated flood of garbage frames at the prefill's side channel. Two decode workers sit behind the
+proxy: "decode" fails a request whose pull failed, "decode-r" recomputes it. At the end: every completion
+equals the aggregated worker's or failed with an error naming its class; none is wrong and none unexplained;
+no block is leased, allocated or quarantined on any worker; every process stays under RSS_BOUND_BYTES of
+resident memory and those never restarted grew less than RSS_GROWTH_BYTES; each failure class a client saw
+is counted in /metrics; and the failure each client saw was logged once (one WARNING line with its request
+id).
 
 CI runs KVCONNECT_SOAK_REQUESTS requests (default 200). The full run:
     KVCONNECT_SOAK_REQUESTS=1000 .venv/bin/pytest -q -s tests/test_soak.py
@@ -28,7 +31,9 @@ from typing import Any
 
 import httpx
 import pytest
+import zmq
 
+from kvconnect.core.errors import KVConnectError
 from kvconnect.testing.cluster import Cluster
 from tests.faultkit import health, idle, log_text, poll_until, scrape
 
@@ -135,6 +140,118 @@ class Faults:
             self.restarts.append({"worker": name, "failed": True})
         finally:
             self.up.set()
+
+
+class Attacks:
+    """A thread that attacks while the load runs, until stopped:
+
+    - replay: a prefill leg by hand, its decode leg at decode-r, then the same params at decode (a router
+      retry, or a client that reaches a decode directly): the replay must be refused or, recomputed, be
+      correct; never other tokens;
+    - forged tokens: after that read, PIN and CONFIRM for the same lease with random read tokens, and for a
+      made-up lease id: never answered held or completed;
+    - flood: garbage frames at the prefill's side channel, FLOOD_BURST every 50 ms.
+    """
+
+    FLOOD_BURST = 64
+
+    def __init__(self, cluster: Cluster, expected: dict[tuple[int, bool], list[int]], rng: random.Random) -> None:
+        self.cluster, self.expected, self.rng = cluster, expected, rng
+        self.stop_event = threading.Event()
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.bad: list[str] = []  # anything that must never happen
+        self.errors: list[str] = []  # the first attacks that could not be made (reported)
+        self.threads = [threading.Thread(target=self._replays, daemon=True),
+                        threading.Thread(target=self._flood, daemon=True)]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        for t in self.threads:
+            t.join(120)
+
+    def _replays(self) -> None:
+        from kvconnect.core import lease_client
+        from kvconnect.core import protocol as p
+        from kvconnect.core.handshake import request as side_request
+        from kvconnect.core.hetero import Source
+
+        ctx = zmq.Context()
+        n = 0
+        try:
+            while not self.stop_event.wait(0.2):
+                n += 1
+                k = self.rng.randrange(len(PROMPTS))
+                urls = self.cluster.urls
+                try:
+                    leg = httpx.post(urls["prefill"] + "/v1/completions", timeout=30, json={
+                        "prompt": PROMPTS[k], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+                    if leg.status_code != 200:
+                        continue  # (the prefill is restarting)
+                    params = leg.json()["kv_transfer_params"]
+                    body = {"prompt": PROMPTS[k], "max_tokens": max_tokens_for(k), "return_token_ids": True,
+                            "kv_transfer_params": params}
+                    for name, what in (("decode-r", "first_reads"), ("decode", "replays")):
+                        r = httpx.post(urls[name] + "/v1/completions", json=body, timeout=60)
+                        self.counts[what] += 1
+                        if r.status_code == 200:
+                            if r.json()["choices"][0]["token_ids"] != self.expected[(k, False)]:
+                                self.bad.append(f"{what} at {name}: wrong tokens")
+                            self.counts[f"{what}_ok"] += 1
+                        else:
+                            self.counts[f"{what}_refused"] += 1
+                    port = health(urls["prefill"])["side_channel_port"]
+                    for lease_id in (params["remote_lease_id"], f"made-up-{n}"):
+                        for msg in (lease_client.pin("attacker", lease_id, Source(0, (0, 1), 0, 1),
+                                                     params["remote_block_ids"], 5.0, os.urandom(16)),
+                                    lease_client.confirm("attacker", lease_id, Source(0, (0, 1), 0, 1),
+                                                         params["remote_block_ids"], os.urandom(16))):
+                            reply = side_request(ctx, "127.0.0.1", port, msg, 5.0, b"")
+                            self.counts["forged"] += 1
+                            if isinstance(reply, p.LeaseReply) and reply.state in (p.LeaseState.HELD,
+                                                                                   p.LeaseState.COMPLETED):
+                                self.bad.append(f"forged token for {lease_id[:12]} answered {reply.state.value}")
+                except (httpx.HTTPError, KeyError, ValueError, KVConnectError) as e:
+                    self.counts["attack_errors"] += 1  # (a worker restarting; not a finding)
+                    if len(self.errors) < 5:
+                        self.errors.append(f"{type(e).__name__}: {e}"[:200])
+        finally:
+            ctx.term()
+
+    def _flood(self) -> None:
+        ctx = zmq.Context()
+        sock, port = None, 0
+        try:
+            while not self.stop_event.wait(0.05):
+                try:
+                    now_port = health(self.cluster.urls["prefill"])["side_channel_port"]
+                except (httpx.HTTPError, KeyError, ValueError):
+                    continue
+                if now_port != port:  # (a restarted prefill listens elsewhere)
+                    if sock is not None:
+                        sock.close(0)
+                    sock, port = ctx.socket(zmq.DEALER), now_port
+                    sock.setsockopt(zmq.LINGER, 0)
+                    sock.setsockopt(zmq.SNDHWM, 1000)
+                    sock.connect(f"tcp://127.0.0.1:{port}")
+                for _ in range(self.FLOOD_BURST):
+                    try:
+                        sock.send_multipart([b"", os.urandom(self.rng.randrange(1, 64))], zmq.NOBLOCK)
+                        self.counts["flood_frames"] += 1
+                    except zmq.Again:
+                        break
+                while True:  # drain the refusals
+                    try:
+                        sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+        finally:
+            if sock is not None:
+                sock.close(0)
+            ctx.term()
 
 
 def one_request(client: httpx.Client, url: str, i: int, rng: random.Random,
@@ -259,11 +376,14 @@ def test_soak_with_random_faults(cluster: Cluster) -> None:
                 faults.up.wait(120)  # a worker is down: resume once it is up again (bounds the failures)
 
         t_run = time.monotonic()
+        attacks = Attacks(cluster, expected, random.Random(SEED + 2))
         faults.thread.start()
+        attacks.start()
         try:
             with cf.ThreadPoolExecutor(CONCURRENCY) as pool:
                 list(pool.map(client_request, range(NUM_REQUESTS)))
         finally:
+            attacks.stop()
             faults.stop()
         run_s = time.monotonic() - t_run
         client.post(urls["prefill"] + "/admin/leases/expire-on-read", json={"count": 0}, timeout=5)  # disarm
@@ -289,7 +409,9 @@ def test_soak_with_random_faults(cluster: Cluster) -> None:
         "failure_classes": dict(classes), "run_s": round(run_s, 1),
         "total_s": round(time.monotonic() - t_start, 1), "throughput_rps": round(NUM_REQUESTS / run_s, 1),
         "p50_latency_s": percentile(latencies, 0.5), "p99_latency_s": percentile(latencies, 0.99),
-        "forced_expiries": faults.expired, "expire_on_read_armed": faults.armed, "restarts": faults.restarts,
+        "attacks": dict(attacks.counts), "attack_errors": attacks.errors, "forced_expiries": faults.expired,
+        "expire_on_read_armed": faults.armed,
+        "restarts": faults.restarts,
         "rss_warm_mib": {k: round(v / 2**20) for k, v in rss_warm.items()},
         "rss_end_mib": {k: round(v / 2**20) for k, v in rss_end.items()},
         "recomputed": total(samples, "kvconnect_recomputed_prefills_total"),
@@ -306,6 +428,10 @@ def test_soak_with_random_faults(cluster: Cluster) -> None:
         with open(os.environ["KVCONNECT_SOAK_REPORT"], "w") as f:
             json.dump({**report, "failed": failed}, f, indent=1)
 
+    # attacks: nothing forged passed, no replay read anything but its own tokens, each kind happened
+    assert attacks.bad == [], attacks.bad[:5]
+    assert attacks.counts["replays"] >= 2 and attacks.counts["forged"] >= 4, report  # (workers restart meanwhile)
+    assert attacks.counts["flood_frames"] >= 1000, report
     # every completion correct or failed with a named error; none wrong, none unexplained
     assert kinds["wrong"] == 0, [r for r in rows if r["kind"] == "wrong"][:3]
     assert kinds["unclear"] == 0, [r for r in rows if r["kind"] == "unclear"][:5]
