@@ -1,0 +1,147 @@
+"""GPU head-to-head: kvconnect's vLLM plug-in against vLLM's NixlConnector, P/D on one GPU, real request sizes.
+
+    python scripts/gpu_vllm_h2h.py OUT_DIR [--reps 4] [--lengths 512,1024,2048,4096]
+
+A Llama-3-8B-shaped model (32 layers, 8 KV heads x 128, bf16: 128 KiB of KV per token, 512 MiB at 4,096
+tokens) with vLLM's `--load-format dummy` (random weights from its config; a generated tokenizer), so
+every request moves its real size. Per connector a prefill and a decode server on the one GPU, the same
+flags. Two warm-up requests per connector, then per length `reps` requests one after another, each a fresh
+random prompt of exactly that many tokens: the prefill leg (`max_tokens` 1, `do_remote_decode`), then the
+decode leg streamed with the returned params. Per request, from the decode's /metrics before and after:
+bytes, descriptors, transfer time (NixlConnector: NIXL's telemetry, post to completion; kvconnect: post to
+completion), kvconnect's requested -> usable, and the decode leg's time to first token. The ceiling: a
+torch copy of the same bytes on the same GPU in this process (best of 5), measured per length.
+Writes h2h.json and h2h.txt under OUT_DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from kvconnect.testing.tiny_llama import TinyLlama, build
+from kvconnect.testing.vllm_cluster import Server, VllmCluster, connector_json, generate, kvconnect_config
+
+GPU_ARGS = ["--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", "8G", "--load-format", "dummy"]
+LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 8192}
+SERIES = {
+    "nixl": {"bytes": "vllm:nixl_bytes_transferred", "descs": "vllm:nixl_num_descriptors",
+             "xfer_s": "vllm:nixl_xfer_time_seconds"},
+    "kvconnect": {"bytes": "vllm:kvconnect_bytes_transferred", "descs": "vllm:kvconnect_num_descriptors",
+                  "xfer_s": "vllm:kvconnect_xfer_time_seconds", "pull_s": "vllm:kvconnect_pull_time_seconds"},
+}
+
+
+def sums(url: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:") and ("_sum" in line.split(" ")[0] or "_count" in line.split(" ")[0]):
+            name = line.split("{")[0].split(" ")[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def copy_ceiling_s(num_bytes: int) -> float:
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(6):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--lengths", default="512,1024,2048,4096")
+    args = ap.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = build(args.out / "model", TinyLlama.named("tiny"))  # its tokenizer; the geometry below
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, **LLAMA3_8B}))
+    vocab = int(cfg["vocab_size"])
+    t0 = time.monotonic()
+    servers = [Server("kvconnect-prefill", kvconnect_config("kv_producer"), args=GPU_ARGS),
+               Server("kvconnect-decode", kvconnect_config("kv_consumer"), args=GPU_ARGS),
+               Server("nixl-prefill", connector_json("NixlConnector", "kv_producer"), args=GPU_ARGS,
+                      env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "25600"}),
+               Server("nixl-decode", connector_json("NixlConnector", "kv_consumer"), args=GPU_ARGS,
+                      env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "25700"})]
+    rng = random.Random(7)
+    rows = []
+    with VllmCluster(str(model), servers, str(args.out / "logs"), block_size=16, max_model_len=8192) as c:
+        print(f"4 servers healthy after {time.monotonic() - t0:.0f} s", flush=True)
+
+        def one(name: str, n: int) -> dict[str, float]:
+            prompt = [rng.randrange(10, vocab) for _ in range(n)]
+            prefill, decode = c.urls[f"{name}-prefill"], c.urls[f"{name}-decode"]
+            remote = {"kv_transfer_params": {"do_remote_decode": True}}
+            leg = generate(prefill, prompt, 1, extra=remote)  # type: ignore[arg-type]  # (token ids)
+            assert leg["status"] == 200, leg
+            before = sums(decode)
+            params = {"kv_transfer_params": leg["kv_transfer_params"]}
+            got = generate(decode, prompt, 4, stream=True, extra=params)  # type: ignore[arg-type]
+            assert got["status"] == 200, got
+            deadline = time.monotonic() + 10
+            while True:  # (stats reach /metrics with the engine's next report)
+                after = sums(decode)
+                count = SERIES[name]["bytes"] + "_count"
+                if after.get(count, 0) > before.get(count, 0) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            out = {k: after.get(v + "_sum", 0.0) - before.get(v + "_sum", 0.0) for k, v in SERIES[name].items()}
+            out["ttft_s"] = got["ttft_s"]
+            return out
+
+        for name in ("nixl", "kvconnect"):
+            for _ in range(2):
+                one(name, 256)
+        for n in lengths:
+            for name in ("nixl", "kvconnect"):
+                for rep in range(args.reps):
+                    r = one(name, n)
+                    r.update(connector=name, tokens=n, rep=rep)
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+    table = []
+    for n in lengths:
+        for name in ("nixl", "kvconnect"):
+            rs = [r for r in rows if r["tokens"] == n and r["connector"] == name and r["bytes"] > 0]
+            if not rs:
+                table.append({"tokens": n, "connector": name, "error": "no transfer seen in /metrics"})
+                continue
+            nbytes = statistics.median(r["bytes"] for r in rs)
+            xfer = [r["xfer_s"] for r in rs]
+            ceiling = copy_ceiling_s(int(nbytes))
+            row = {"tokens": n, "connector": name, "MiB": round(nbytes / 2**20, 1),
+                   "descs": statistics.median(r["descs"] for r in rs),
+                   "xfer_ms_min/med/max": [round(min(xfer) * 1e3, 2), round(statistics.median(xfer) * 1e3, 2),
+                                           round(max(xfer) * 1e3, 2)],
+                   "GB/s_med": round(nbytes / statistics.median(xfer) / 1e9, 1),
+                   "copy_GB/s": round(nbytes / ceiling / 1e9, 1),
+                   "pct_copy": round(100 * ceiling / statistics.median(xfer), 1),
+                   "ttft_ms_med": round(statistics.median(r["ttft_s"] for r in rs) * 1e3, 1)}
+            if name == "kvconnect":
+                row["usable_ms_med"] = round(statistics.median(r["pull_s"] for r in rs) * 1e3, 2)
+            table.append(row)
+            print("ROW", json.dumps(row), flush=True)
+    (args.out / "h2h.json").write_text(json.dumps({"rows": rows, "table": table}, indent=1))
+    (args.out / "h2h.txt").write_text("\n".join(json.dumps(r) for r in table) + "\n")
+
+
+if __name__ == "__main__":
+    main()
