@@ -23,32 +23,15 @@ import statistics
 import time
 from pathlib import Path
 
-import httpx
 import torch
 
+from kvconnect.bench.vllm_pd import SERIES, scrape_sums
 from kvconnect.testing.tiny_llama import TinyLlama, build
 from kvconnect.testing.vllm_cluster import Server, VllmCluster, connector_json, generate, kvconnect_config
 
 GPU_ARGS = ["--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", "8G", "--load-format", "dummy"]
 LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
              "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 8192}
-SERIES = {
-    "nixl": {"bytes": "vllm:nixl_bytes_transferred", "descs": "vllm:nixl_num_descriptors",
-             "xfer_s": "vllm:nixl_xfer_time_seconds"},
-    "kvconnect": {"bytes": "vllm:kvconnect_bytes_transferred", "descs": "vllm:kvconnect_num_descriptors",
-                  "xfer_s": "vllm:kvconnect_xfer_time_seconds", "pull_s": "vllm:kvconnect_pull_time_seconds"},
-}
-
-
-def sums(url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("vllm:") and ("_sum" in line.split(" ")[0] or "_count" in line.split(" ")[0]):
-            name = line.split("{")[0].split(" ")[0]
-            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
-
-
 def copy_ceiling_s(num_bytes: int) -> float:
     src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -92,18 +75,17 @@ def main() -> None:
             remote = {"kv_transfer_params": {"do_remote_decode": True}}
             leg = generate(prefill, prompt, 1, extra=remote)  # type: ignore[arg-type]  # (token ids)
             assert leg["status"] == 200, leg
-            before = sums(decode)
+            before = scrape_sums(decode, SERIES[name])
             params = {"kv_transfer_params": leg["kv_transfer_params"]}
             got = generate(decode, prompt, 4, stream=True, extra=params)  # type: ignore[arg-type]
             assert got["status"] == 200, got
             deadline = time.monotonic() + 10
             while True:  # (stats reach /metrics with the engine's next report)
-                after = sums(decode)
-                count = SERIES[name]["bytes"] + "_count"
-                if after.get(count, 0) > before.get(count, 0) or time.monotonic() > deadline:
+                after = scrape_sums(decode, SERIES[name])
+                if after["bytes"][1] > before["bytes"][1] or time.monotonic() > deadline:
                     break
                 time.sleep(0.2)
-            out = {k: after.get(v + "_sum", 0.0) - before.get(v + "_sum", 0.0) for k, v in SERIES[name].items()}
+            out = {k: after[k][0] - before[k][0] for k in after}
             out["ttft_s"] = got["ttft_s"]
             return out
 

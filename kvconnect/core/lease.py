@@ -311,9 +311,11 @@ class LeaseTable:
         """Expire one lease now (fault injection and operator tooling). `scrub(block_ids)` runs after the
         lease has ended but before its blocks are freed, so it may overwrite them safely (only the blocks
         no other lease still holds)."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
         state = self._end(lease_id, LeaseState.EXPIRED, scrub)
-        if state is LeaseState.EXPIRED:
-            log.warning("lease %s force-expired", lease_id)
+        if state is LeaseState.EXPIRED and lease is not None:
+            log.warning("lease %s force-expired", lease.request_id)  # (its label: the id is a secret)
         return state
 
     def expire_next_reads(self, count: int) -> None:
