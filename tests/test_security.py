@@ -231,18 +231,23 @@ def test_refused_leg_releases_the_lease_it_names(cluster: Cluster) -> None:
     assert metric(cluster.urls["prefill"], "kvconnect_leases_ended", outcome="released") == released + 1
 
 
-def test_params_edited_to_other_blocks_get_400_and_the_real_lease_ends_normally(cluster: Cluster,
-                                                                               expected: list[int]) -> None:
-    """A client reaching the decode worker itself points its params at another request's blocks: 400 naming
-    the field, nothing of theirs used, no lease ended by it; both real requests then decode as usual."""
+def test_params_edited_to_other_blocks_are_refused_like_any_lost_lease_and_the_real_leases_end_normally(
+        cluster: Cluster, expected: list[int]) -> None:
+    """A client reaching the decode worker itself points its params at another request's blocks, or at a
+    made-up lease: the prefill refuses both, nothing of theirs is used, no lease is ended by it, and the
+    client cannot tell the two apart (this decode recomputes either; a fail-policy one answers both with
+    LEASE_NOT_READABLE). Both real requests then decode as usual."""
     urls = cluster.urls
     a = prefill_leg(urls["prefill"], PROMPT, "mine-1")
     b = prefill_leg(urls["prefill"], PROMPT, "theirs-1")
     ended = {o: metric(urls["prefill"], "kvconnect_leases_ended", outcome=o) for o in ("released", "completed")}
-    edited = {**a, "remote_block_ids": b["remote_block_ids"]}
-    r = decode_leg(urls["decode"], PROMPT, edited, MAX_TOKENS, "mine-1")
-    assert r["status"] == 400 and r["param"] == "kv_transfer_params.remote_block_ids", r
-    assert "not leased" in r["error"]
+    lost = metric(urls["decode"], FAILED, reason="LeaseLostError")
+    answers = []
+    for edited in ({**a, "remote_block_ids": b["remote_block_ids"]}, {**a, "remote_lease_id": "made-up"}):
+        r = decode_leg(urls["decode"], PROMPT, edited, MAX_TOKENS, "mine-1")
+        answers.append((r["status"], r.get("token_ids"), r.get("error")))
+    assert answers == [(200, expected, None)] * 2, answers  # recomputed from the prompt, nothing read
+    assert metric(urls["decode"], FAILED, reason="LeaseLostError") == lost + 2
     assert {o: metric(urls["prefill"], "kvconnect_leases_ended", outcome=o) for o in ended} == ended
     assert health(urls["prefill"])["leased_blocks"] == 2 * NEEDED
     for rid, params in (("mine-1", a), ("theirs-1", b)):

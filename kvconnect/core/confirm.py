@@ -28,7 +28,7 @@ from collections.abc import Callable
 from kvconnect.core import lease_client
 from kvconnect.core import protocol as p
 from kvconnect.core.config import ConnectorConfig
-from kvconnect.core.errors import HandshakeError, InvalidRequestError, KVConnectError, LeaseLostError, PeerGoneError
+from kvconnect.core.errors import HandshakeError, KVConnectError, LeaseLostError, PeerGoneError
 from kvconnect.core.peers import Peer
 from kvconnect.core.pull import PinState, Pull, PullPhase
 
@@ -37,11 +37,11 @@ ASK_AGAIN_S = (0.002, 0.05)  # first and longest wait before asking again about 
 
 
 def refusal(pull: Pull, reply: p.LeaseReply) -> KVConnectError | None:
-    """The error a refused PIN or CONFIRM means: blocks the lease does not hold are the request's fault (the
-    params named them), so they fail the pull as an invalid request naming the field."""
+    """The error a PIN or CONFIRM refused for the blocks it named means. It reads like any other lost lease
+    (LeaseLostError): whether the params named a live lease's other blocks is not for a client to learn."""
     if reply.reason.startswith(BLOCKS_REFUSED):
-        return InvalidRequestError("kv_transfer_params.remote_block_ids",
-                                   f"the prefill refused them: {reply.reason.removeprefix(BLOCKS_REFUSED).strip()}")
+        return LeaseLostError(f"pull {pull.handle.request_id}: the prefill refused kv_transfer_params."
+                              f"remote_block_ids: {reply.reason.removeprefix(BLOCKS_REFUSED).strip()}")
     return None
 
 
@@ -96,6 +96,11 @@ class LeaseConfirmation:
     def answer(self, peer: Peer, pull: Pull, reply: p.LeaseReply | HandshakeError) -> None:
         """The prefill's answer to this pull's PIN or CONFIRM."""
         refused = refusal(pull, reply) if isinstance(reply, p.LeaseReply) else None
+        if isinstance(reply, p.LeaseReply) and peer.info is not None and reply.incarnation_id not in (
+                "", peer.info.incarnation_id):  # another process on the same address answered
+            refused = LeaseLostError(f"pull {pull.handle.request_id}: prefill engine {peer.engine_id} restarted "
+                                     f"(incarnation {reply.incarnation_id[:12]} answered, not "
+                                     f"{peer.info.incarnation_id[:12]}); data discarded")
         if refused is not None:
             self._fail(pull, refused)
             return

@@ -242,7 +242,7 @@ class KVConnector:
 
     def release_remote(self, params: KVTransferParams) -> None:
         """Tell the prefill side to free a lease we will not read (best effort, non-blocking)."""
-        self._call(lambda: self._decode.send_release(params))
+        self._call(lambda: self._decode.release.for_params(params))
 
     def _pull_done(self, pull: Pull, error: KVConnectError | None) -> None:
         if self._on_pull_done is not None:

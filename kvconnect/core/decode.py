@@ -22,7 +22,6 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvconnect.core import lease_client
 from kvconnect.core import protocol as p
 from kvconnect.core.agent import XferState
 from kvconnect.core.allowlist import parse_allowlist
@@ -40,10 +39,11 @@ from kvconnect.core.errors import (
     TransferError,
     TransferTimeoutError,
 )
-from kvconnect.core.hetero import Path, Source
+from kvconnect.core.hetero import Path
 from kvconnect.core.params import KVTransferParams
-from kvconnect.core.peers import Peer, PeerSet, peer_key
+from kvconnect.core.peers import Peer, PeerSet
 from kvconnect.core.pull import AbandonedReads, PinState, Pull, PullGroup, PullHandle, PullPhase, release_posted
+from kvconnect.core.releases import Releases
 from kvconnect.core.snapshot import Counters
 from kvconnect.core.staging import place, reserve
 
@@ -67,6 +67,7 @@ class DecodeSide:
         self.abandoned = AbandonedReads()  # given-up transfers that may still land
         self._confirm = LeaseConfirmation(config, engine_id, self._succeed, self._fail)
         self._allowed = parse_allowlist(config.peer_allowlist)
+        self.release = Releases(peers, engine_id, self._allowed)
 
     # --- any thread --------------------------------------------------------------------------------
 
@@ -96,7 +97,7 @@ class DecodeSide:
                     self._fail(part, e if isinstance(e, KVConnectError) else TransferError(
                         f"pull {part.handle.request_id}: could not start: {type(e).__name__}: {e}"))
             for rank in sources.release_only:
-                self._send_release_to(params, rank)  # copies of heads nobody reads: free them now
+                self.release.to_rank(params, rank)  # copies of heads nobody reads: free them now
 
         return pull.handle, start
 
@@ -251,7 +252,7 @@ class DecodeSide:
         for pull in waiting:
             staged_for = self.peers.get(pull.peer_key)
             if pull.handle.cancel_requested or now >= pull.deadline_s or staged_for is None or not staged_for.ready:
-                self.send_release_for(pull)
+                self.release.for_pull(pull)
                 self._fail(pull, TransferTimeoutError(f"pull {pull.handle.request_id}: no staging space before "
                                                       "the deadline (raise staging_mb)"))
             else:
@@ -259,6 +260,7 @@ class DecodeSide:
         self._confirm.tick(now, lambda pull: self.peers.get(pull.peer_key))
         self._sweep_deadlines(now)
         self.abandoned.poll()
+        self.peers.short.poll(now)
 
     def _sweep_deadlines(self, now: float) -> None:
         """Handshakes past their deadline fail their peer; any other waiting or confirming pull past its own
@@ -272,7 +274,7 @@ class DecodeSide:
                 continue
             for late in [x for x in peer.waiting if x.handle.cancel_requested or now >= x.deadline_s]:
                 peer.waiting.remove(late)
-                self.send_release_for(late)
+                self.release.for_pull(late)
                 self._fail(late, TransferTimeoutError(
                     f"pull {late.handle.request_id}: peer {peer.key} not ready within the pull's deadline"
                     if not late.handle.cancel_requested else f"pull {late.handle.request_id} cancelled"))
@@ -303,43 +305,13 @@ class DecodeSide:
     def _abandon(self, pull: Pull, now: float) -> None:
         peer = self.peers.get(pull.peer_key)
         self.abandoned.add(pull, peer.agent_name if peer is not None else "")
-        self.send_release_for(pull)
+        self.release.for_pull(pull)
         if pull.handle.cancel_requested:
             self._fail(pull, TransferError(f"pull {pull.handle.request_id} cancelled"))
         else:
             self._fail(pull, TransferTimeoutError(
                 f"pull {pull.handle.request_id} from {pull.remote_engine_id} not complete after "
                 f"{now - pull.requested_s:.3g}s; abandoned"))
-
-    def send_release_for(self, pull: Pull) -> None:
-        """Release the lease this pull reads (as its reader: that also drops its pin)."""
-        peer = self.peers.get(pull.peer_key)
-        if peer is not None:
-            for ref in [r for r, x in peer.confirming.items() if x is pull]:
-                del peer.confirming[ref]
-                peer.channel.forget(ref)
-            reader = pull.source.reader if pull.source is not None else lease_client.NON_READER
-            peer.channel.send(lease_client.release(self._engine_id, pull.lease_id, pull.remote_block_ids,
-                                                   reader, pull.read_token))
-
-    def send_release(self, params: KVTransferParams) -> None:
-        """Release the lease on every rank of the prefill's TP group, as a non-reader (no pin is dropped).
-        Never to a host outside the peer allow-list (the params came from a client)."""
-        if not self._allowed.allows(params.remote_host or ""):
-            return
-        for rank, _, _ in lease_client.release_targets(params):
-            self._send_release_to(params, rank)
-
-    def _send_release_to(self, params: KVTransferParams, rank: int) -> None:
-        targets = lease_client.release_targets(params)
-        if rank >= len(targets) or not params.remote_engine_id:
-            return
-        _, host, port = targets[rank]
-        peer = self.peers.get(peer_key(params.remote_engine_id, rank))
-        if peer is None:
-            peer = self.peers.new(params.remote_engine_id, host, port, Source(rank, (0, 0), 0, 1), params.tp_size)
-        peer.channel.send(lease_client.release(self._engine_id, params.remote_lease_id or "",
-                                               params.remote_block_ids or []))
 
     def _succeed(self, pull: Pull) -> None:
         self._counters.bytes_pulled += pull.handle.stats.bytes
@@ -350,7 +322,7 @@ class DecodeSide:
         if pull.phase in (PullPhase.DONE, PullPhase.FAILED):
             return
         if pull.pin is not PinState.NONE:  # drop our pin now rather than when it times out
-            self.send_release_for(pull)
+            self.release.for_pull(pull)
         rank = pull.source.rank if pull.source is not None else 0
         log.warning("pull %s from %s failed: %s%s", pull.handle.request_id, pull.remote_engine_id, error,
                     f" (prefill rank {rank})" if rank else "")
@@ -398,3 +370,4 @@ class DecodeSide:
             release_posted(pull)
             self._fail(pull, TransferError("connector closed"))
         self.abandoned.close()
+        self.peers.short.close()

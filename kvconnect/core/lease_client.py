@@ -11,12 +11,16 @@ them with `release_everywhere` (blocking, one short-lived socket per rank). Rule
 - a release goes to every rank of the prefill's TP group (rank r listens on remote_port + r), since each
   rank leased the same block ids under the same lease id;
 - every request names the lease by the prefill's lease id (`remote_lease_id`), and a reader's by its read
-  token as well (`Pull.read_token`): the first token claims the reader's slot (lease.py).
+  token as well (`Pull.read_token`): the first token claims the reader's slot (lease.py);
+- a release to a rank the decode holds no peer for goes over a short-lived channel (`ShortChannels`):
+  closed once answered or after `SHORT_CHANNEL_S`, and never more than `SHORT_CHANNELS_MAX` open, so params
+  naming many ranks cannot pile up sockets (a release dropped at the cap leaves the lease to its TTL).
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,11 +28,13 @@ import zmq
 
 from kvconnect.core import protocol as p
 from kvconnect.core.errors import AuthError, InvalidRequestError, KVConnectError, LeaseLostError
-from kvconnect.core.handshake import request
+from kvconnect.core.handshake import PeerChannel, request
 from kvconnect.core.hetero import Source
 from kvconnect.core.params import KVTransferParams
 
 NON_READER = -1
+SHORT_CHANNELS_MAX = 64  # release-only channels open at once, across every prefill
+SHORT_CHANNEL_S = 2.0  # a release-only channel is closed this long after its release, answered or not
 _seq = itertools.count(1)  # every request's own number: a reply answers exactly the request it names
 
 
@@ -67,11 +73,57 @@ def release_after_failure(error: KVConnectError) -> bool:
     return not (isinstance(error, InvalidRequestError) and error.field.endswith("remote_engine_id"))
 
 
-def release_targets(params: KVTransferParams) -> list[tuple[int, str, int]]:
-    """(rank, host, port) of every rank of the TP group that leased `params` (empty if it names none)."""
+def release_targets(params: KVTransferParams, known_tp: int = 0) -> list[tuple[int, str, int]]:
+    """(rank, host, port) of every rank of the TP group that leased `params` (empty if it names none); no
+    more than `known_tp` ranks when the prefill's handshake said how many it runs (the params come from a
+    client)."""
     if not (params.remote_host and params.remote_port and params.remote_lease_id and params.remote_block_ids):
         return []
-    return [(rank, params.remote_host, params.remote_port + rank) for rank in range(max(params.tp_size, 1))]
+    ranks = max(params.tp_size, 1) if known_tp <= 0 else min(max(params.tp_size, 1), known_tp)
+    return [(rank, params.remote_host, params.remote_port + rank) for rank in range(ranks)]
+
+
+class ShortChannels:
+    """Release-only channels for the decode loop (loop thread only): one per release, dropped when its
+    answer arrives or `SHORT_CHANNEL_S` after it was sent, `SHORT_CHANNELS_MAX` at most."""
+
+    def __init__(self, ctx: zmq.Context, secret: bytes) -> None:
+        self._ctx = ctx
+        self._secret = secret
+        self._open: list[tuple[PeerChannel, float]] = []  # (channel, when to close it)
+        self.dropped = 0  # releases not sent because the cap was reached
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def send(self, host: str, port: int, msg: p.LeaseRequest) -> bool:
+        """Send `msg` on a channel of its own; False (nothing sent) at the cap."""
+        if len(self._open) >= SHORT_CHANNELS_MAX:
+            self.dropped += 1
+            return False
+        channel = PeerChannel(self._ctx, host, port, self._secret)
+        try:
+            channel.send(msg)
+        except KVConnectError:
+            channel.close()
+            return False
+        self._open.append((channel, time.monotonic() + SHORT_CHANNEL_S))
+        return True
+
+    def poll(self, now: float) -> None:
+        """Close every channel that was answered (the answer itself is not needed) or whose time is up."""
+        keep = []
+        for channel, close_s in self._open:
+            if channel.receive() or now >= close_s:
+                channel.close()
+            else:
+                keep.append((channel, close_s))
+        self._open = keep
+
+    def close(self) -> None:
+        for channel, _ in self._open:
+            channel.close()
+        self._open = []
 
 
 def release_everywhere(ctx: zmq.Context, params: KVTransferParams, engine_id: str, secret: bytes,

@@ -26,6 +26,7 @@ from kvconnect.core.errors import InvalidRequestError, LayoutMismatchError
 from kvconnect.core.handshake import PeerChannel
 from kvconnect.core.hetero import Path, Source, SourcePlan, Sources, plan_source, plan_sources
 from kvconnect.core.layout import CacheSpec
+from kvconnect.core.lease_client import ShortChannels
 from kvconnect.core.staging import StagingPool
 from kvconnect.core.transports.base import Transport
 from kvconnect.core.transports.nixl_read import NixlRead
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from kvconnect.core.pull import Pull
 
 log = logging.getLogger(__name__)
+MAX_STAGING_POOLS = 4  # staging caches (one per remote shape, up to staging_mb each) a decode allocates at most
 
 
 @dataclass
@@ -81,6 +83,7 @@ class PeerSet:
         self._local_lists: dict[tuple[object, ...], PreppedList] = {}
         self.staging: dict[CacheSpec, StagingPool] = {}  # by staging spec (one per remote shape)
         self._sources: dict[int, Sources] = {}  # by remote TP size
+        self.short = ShortChannels(ctx, secret)  # releases to ranks no peer is connected to
 
     def get(self, key: str) -> Peer | None:
         return self._peers.get(key)
@@ -92,6 +95,13 @@ class PeerSet:
         peer = Peer(engine_id, host, port, PeerChannel(self._ctx, host, port, self._secret), source, remote_tp)
         self._peers[peer.key] = peer
         return peer
+
+    def known_tp(self, engine_id: str) -> int:
+        """How many ranks `engine_id` runs, as its handshake said (0 if no rank of it has answered)."""
+        for peer in self._peers.values():
+            if peer.engine_id == engine_id and peer.info is not None:
+                return peer.info.spec.tp_size
+        return 0
 
     def forget(self, peer: Peer, keep_agent: bool) -> None:
         """Remove `peer`: its remote agent (unless `keep_agent`: a given-up READ still uses it; it is then
@@ -106,7 +116,7 @@ class PeerSet:
 
     def stale(self, peer: Peer, pull: Pull) -> tuple[str, bool] | None:
         """Why `peer` cannot serve `pull` and must be dropped (and whether it moved: its waiting pulls then
-        fail too), or None. A peer made only to send a release adopts the heads the pull reads."""
+        fail too), or None."""
         if (peer.host, peer.port, peer.remote_tp) != (pull.remote_host, pull.remote_port, pull.remote_tp):
             return "side channel address changed", True
         if peer.source != pull.source:
@@ -134,8 +144,9 @@ class PeerSet:
         """Make `peer` ready from its handshake answer; raises a kvconnect error naming what is wrong."""
         spec, config = self._cache.spec, self._config
         if info.engine_id != peer.engine_id:
-            raise InvalidRequestError("kv_transfer_params.remote_engine_id", f"peer at {peer.host}:{peer.port} is "
-                                      f"engine {info.engine_id!r}, not {peer.engine_id!r}")
+            log.info("peer at %s:%d is engine %r, not %r", peer.host, peer.port, info.engine_id[:64], peer.engine_id)
+            raise InvalidRequestError("kv_transfer_params.remote_engine_id", f"the side channel at {peer.host}:"
+                                      f"{peer.port} is another engine's, not {peer.engine_id!r}'s")
         if (info.spec.tp_size, info.spec.tp_rank) != (peer.remote_tp, peer.source.rank):
             raise LayoutMismatchError(
                 {"tp_rank": (peer.source.rank, info.spec.tp_rank), "tp_size": (peer.remote_tp, info.spec.tp_size)},
@@ -163,6 +174,10 @@ class PeerSet:
         """The prepared list of the pull's local target (the cache, or a staging cache made for this shape)."""
         stage = plan.staging_spec
         if stage is not None and stage not in self.staging:
+            if len(self.staging) >= MAX_STAGING_POOLS:
+                raise LayoutMismatchError({"staging caches": (len(self.staging), MAX_STAGING_POOLS)},
+                                          f"this decode holds a staging cache for each of {MAX_STAGING_POOLS} other "
+                                          "remote cache shapes already; a prefill of yet another shape is refused")
             pool = StagingPool(stage)
             self._agent.register(np.array([[addr, stage.region_bytes, pool.cache.device_id]
                                            for addr in pool.cache.base_addrs()], dtype=np.int64), self._mem)

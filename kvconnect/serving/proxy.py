@@ -161,7 +161,7 @@ class Proxy:
                 yield chunk
         except httpx.HTTPError as e:
             self._count_failure(request_id, "decode", url, e)
-            err = error_body(502, f"decode worker {url} failed mid-stream: {type(e).__name__}: {e}")
+            err = error_body(502, f"decode worker failed mid-stream: {_unnamed(f'{type(e).__name__}: {e}', url)}")
             yield b"data: " + json.dumps(err).encode() + b"\n\n"
             return
         except (asyncio.CancelledError, GeneratorExit):
@@ -204,7 +204,7 @@ class Proxy:
 
     def _leg_failed(self, request_id: str, leg: str, url: str, error: object) -> JSONResponse:
         reason = self._count_failure(request_id, leg, url, error)
-        return JSONResponse(error_body(502, f"{leg} worker {url} failed: {reason}"), status_code=502)
+        return JSONResponse(error_body(502, f"{leg} worker failed: {_unnamed(reason, url)}"), status_code=502)
 
     def _relay_error(self, request_id: str, leg: str, url: str, resp: httpx.Response) -> JSONResponse:
         try:
@@ -217,7 +217,7 @@ class Proxy:
         self.metrics.leg_errors.labels(leg, f"http_{resp.status_code}").inc()
         # (info: the worker that refused or failed the leg has logged it already)
         log.info("request %s: %s leg to %s answered %d: %s", request_id, leg, url, resp.status_code, inner)
-        return JSONResponse(error_body(status, f"{leg} worker {url} answered {resp.status_code}: {inner}"),
+        return JSONResponse(error_body(status, f"{leg} worker answered {resp.status_code}: {_unnamed(inner, url)}"),
                             status_code=status)
 
     async def metrics_endpoint(self, request: Request) -> Response:
@@ -312,3 +312,10 @@ def run(args: argparse.Namespace) -> int:
     proxy = Proxy(prefill, decode, args.timeout_s, secret_from_env())
     uvicorn.run(proxy.app(), host=args.host, port=args.port, log_level="warning")
     return 0
+
+
+def _unnamed(text: str, url: str) -> str:
+    """`text` for a client: without the worker's address (clients need not learn the deployment's layout;
+    the proxy's log names it)."""
+    netloc = httpx.URL(url).netloc.decode()
+    return text.replace(url, "<worker>").replace(netloc, "<worker>") if netloc else text

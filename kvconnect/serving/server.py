@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvconnect.bench.verdict import TransportVerdict, startup_verdict
+from kvconnect.core.allowlist import is_loopback
 from kvconnect.core.config import (
     ConnectorConfig,
     FailurePolicy,
@@ -38,7 +39,7 @@ from kvconnect.core.config import (
     env_setting,
 )
 from kvconnect.core.connector import KVConnector
-from kvconnect.core.errors import ConfigError, InvalidRequestError, KVConnectError, LocalError
+from kvconnect.core.errors import ConfigError, InvalidRequestError, KVConnectError, LeaseLostError, LocalError
 from kvconnect.core.layout import LayoutKind
 from kvconnect.core.params import parse_kv_transfer_params
 from kvconnect.core.snapshot import ConnectorSnapshot
@@ -55,6 +56,10 @@ from kvconnect.serving.pd import LeaseKeeper, PullLoader, check_remote_blocks
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "both")
 MODEL_NAME = "kvconnect-tiny-llama"
+# what a client hears about any lease the prefill would not let it read: never which of unknown, ended, read
+# by another decode or not holding those blocks (that would let a client probe other requests' leases)
+LEASE_NOT_READABLE = ("KV transfer from the prefill worker failed: LeaseLostError: the prefill holds no lease "
+                      "these kv_transfer_params may read (never granted, ended, or read by another decode)")
 
 
 class Worker:
@@ -230,6 +235,8 @@ class Worker:
         error = loader.error if loader is not None else None
         if isinstance(error, InvalidRequestError):
             return self._error(400, error)
+        if isinstance(error, LeaseLostError):  # one answer whatever the prefill said (the log has it)
+            return JSONResponse(api.error_body(502, LEASE_NOT_READABLE, "kv_transfer_params"), status_code=502)
         if error is not None:
             return self._error(502, error, prefix="KV transfer from the prefill worker failed: ")
         return JSONResponse(api.error_body(500, ev.error or "generation failed"), status_code=500)
@@ -328,9 +335,21 @@ def build_worker(args: argparse.Namespace) -> Worker:
         transport=args.transport, hetero_path=args.hetero_path, staging_mb=args.staging_mb,
     )
     check_device(args.device)
+    exposed = exposure_warning(args.role, args.host, conn.peer_allowlist)
+    if exposed:
+        log.warning("%s", exposed)
     engine = EngineConfig(layout=LayoutKind(args.layout), block_size=args.block_size, num_blocks=args.num_blocks,
                           device=args.device)
     return Worker(args.role, engine, conn)
+
+
+def exposure_warning(role: str, http_host: str, peer_allowlist: str) -> str:
+    """What to warn about when a decode's HTTP port is reachable from other machines and no peer allow-list
+    is set: any client there can then make it dial any host and port (its params name the prefill)."""
+    if role == "prefill" or is_loopback(http_host) or peer_allowlist.strip():
+        return ""
+    return (f"decode HTTP on {http_host} with no peer allow-list: a client can make this worker connect to any "
+            "host and port it names; set --peer-allowlist (KVCONNECT_PEER_ALLOWLIST) to the prefill workers")
 
 
 def check_device(device: str) -> None:

@@ -1,0 +1,64 @@
+"""Decode side: giving a prefill's lease back, as a reader of one pull or for params nobody will read.
+
+Loop thread only. A reader releases as itself on its peer's channel (that also drops its pin). Params a
+decode will not read (refused, cancelled, or copies of heads nobody reads) are released on every rank of
+the prefill's TP group as a non-reader, but never to a host outside the peer allow-list, never to more
+ranks than the prefill's handshake said it runs, and, for a rank with no peer, over a short-lived channel
+(`lease_client.ShortChannels`): params come from a client, and each rank they name is a socket.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvconnect.core import lease_client
+from kvconnect.core.allowlist import AllowList
+from kvconnect.core.params import KVTransferParams
+from kvconnect.core.peers import PeerSet, peer_key
+from kvconnect.core.pull import Pull
+
+log = logging.getLogger(__name__)
+
+
+class Releases:
+    def __init__(self, peers: PeerSet, engine_id: str, allowed: AllowList) -> None:
+        self._peers = peers
+        self._engine_id = engine_id
+        self._allowed = allowed
+
+    def for_pull(self, pull: Pull) -> None:
+        """Release the lease this pull reads (as its reader: that also drops its pin)."""
+        peer = self._peers.get(pull.peer_key)
+        if peer is not None:
+            for ref in [r for r, x in peer.confirming.items() if x is pull]:
+                del peer.confirming[ref]
+                peer.channel.forget(ref)
+            reader = pull.source.reader if pull.source is not None else lease_client.NON_READER
+            peer.channel.send(lease_client.release(self._engine_id, pull.lease_id, pull.remote_block_ids,
+                                                   reader, pull.read_token))
+
+    def for_params(self, params: KVTransferParams) -> None:
+        """Release the lease on every rank of the prefill's TP group, as a non-reader (no pin is dropped)."""
+        for rank, _, _ in self._targets(params):
+            self.to_rank(params, rank)
+
+    def to_rank(self, params: KVTransferParams, rank: int) -> None:
+        """Release as a non-reader on rank `rank`: on its peer's channel if there is one, else a short one."""
+        targets = self._targets(params)
+        if rank >= len(targets) or not params.remote_engine_id:
+            return
+        _, host, port = targets[rank]
+        msg = lease_client.release(self._engine_id, params.remote_lease_id or "", params.remote_block_ids or [])
+        peer = self._peers.get(peer_key(params.remote_engine_id, rank))
+        if peer is not None:
+            peer.channel.send(msg)
+            return
+        short = self._peers.short
+        if not short.send(host, port, msg) and short.dropped % 100 == 1:
+            log.warning("%d releases dropped so far: %d release-only channels open (those leases end by their TTL)",
+                        short.dropped, len(short))
+
+    def _targets(self, params: KVTransferParams) -> list[tuple[int, str, int]]:
+        if not self._allowed.allows(params.remote_host or ""):
+            return []
+        return lease_client.release_targets(params, self._peers.known_tp(params.remote_engine_id or ""))
