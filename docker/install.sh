@@ -79,7 +79,7 @@ if pinned.endswith("+cpu") and (torch.version.cuda is not None or cuda_libs):
     sys.exit(f"install.sh: CUDA in a CPU build: torch.version.cuda={torch.version.cuda}, {cuda_libs}")
 EOF
 "$venv/bin/kvconnect" --help >/dev/null
-"$venv/bin/python" -c "import kvconnect.serving.server, kvconnect.serving.proxy; from kvconnect.core.agent import nixl_module; nixl_module()"
+"$venv/bin/python" -c "import kvconnect.serving.serve, kvconnect.serving.proxy; from kvconnect.core.agent import nixl_module; nixl_module()"
 case ",$extras," in
   *,vllm,*) "$venv/bin/python" -c "from vllm import LLM; import kvconnect.vllm" ;;
 esac

@@ -28,12 +28,12 @@ examples:
   kvconnect bench --help                           the transfer benchmark"""
 
 SUBCOMMANDS = {
-    "serve": ("kvconnect.serving.server", "run an OpenAI-compatible prefill, decode or aggregated worker"),
+    "serve": ("kvconnect.serving.serve", "run an OpenAI-compatible prefill, decode or aggregated worker"),
     "proxy": ("kvconnect.serving.proxy", "run the llm-d style prefill/decode proxy"),
     "demo": ("kvconnect.serving.demo", "start a local prefill+decode+proxy and check disagg == agg"),
     "bench": ("kvconnect.bench.run", "KV-shaped transfer benchmark against a same-run copy ceiling"),
     "bench-vllm": ("kvconnect.bench.vllm_pd", "vLLM P/D head-to-head: vLLM's NixlConnector vs kvconnect's"),
-    "verdict": ("kvconnect.bench.verdict", "time a NIXL READ against a copy and name the UCX transport (JSON)"),
+    "verdict": ("kvconnect.verdict.probe", "time a NIXL READ against a copy and name the UCX transport (JSON)"),
 }
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 

@@ -20,7 +20,7 @@ import uuid
 import numpy as np
 import torch
 
-from kvconnect.bench.pull import CopyCeiling
+from kvconnect.bench.ceiling import CopyCeiling
 from kvconnect.core.config import connector_config
 from kvconnect.core.connector import KVConnector
 from kvconnect.testing.prefill import PrefillProcess

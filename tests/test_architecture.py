@@ -6,10 +6,11 @@ Rooms and what each may import (besides itself and third-party libraries):
     kvconnect (the public API)  -> core
     core (and core/transports)  -> (nothing of ours)
     engine                      -> core
+    verdict                     -> core (the start-up transport probe)
     vllm                        -> core, the public API
     testing                     -> core, vllm (its layout description), the public API
     bench                       -> core, testing, the public API
-    serving                     -> core, engine, bench, testing, the public API
+    serving                     -> core, engine, verdict, testing, the public API
     cli                         -> anything
 Nothing in the package (or scripts/) imports tests.
 """
@@ -29,11 +30,12 @@ ALLOWED = {
     "api": {"core"},
     "core": set(),
     "engine": {"core"},
+    "verdict": {"core"},
     "vllm": {"core", "api"},
     "testing": {"core", "vllm", "api"},
     "bench": {"core", "testing", "api"},
-    "serving": {"core", "engine", "bench", "testing", "api"},
-    "cli": {"core", "engine", "vllm", "testing", "bench", "serving", "api"},
+    "serving": {"core", "engine", "verdict", "testing", "api"},
+    "cli": {"core", "engine", "verdict", "vllm", "testing", "bench", "serving", "api"},
 }
 
 
@@ -118,6 +120,26 @@ def test_no_import_cycles() -> None:
     for module in sorted(MODULES):
         if module not in state:
             visit(module)
+
+
+SERVE_LIBRARIES = ("starlette", "uvicorn", "httpx", "prometheus_client")  # the `serve` extra
+
+
+def third_party(path: Path) -> set[str]:
+    """Top-level names of every module `path` imports that is not ours."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out - {"kvconnect", "tests"}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if room(m) in ("api", "core", "engine", "vllm")))
+def test_the_library_and_the_vllm_plugin_need_no_serving_libraries(module: str) -> None:
+    """starlette, uvicorn, httpx and prometheus-client come with the `serve` extra only."""
+    assert not third_party(MODULES[module]) & set(SERVE_LIBRARIES), module
 
 
 def test_scripts_do_not_import_the_test_suite() -> None:

@@ -24,7 +24,7 @@ from kvconnect.core.layout import CacheSpec, LayoutKind
 from kvconnect.core.params import KVTransferParams
 from kvconnect.core.peers import MAX_STAGING_POOLS, Peer
 from kvconnect.core.pull import PinState, Pull
-from kvconnect.serving.server import exposure_warning
+from kvconnect.serving.serve import exposure_warning
 from kvconnect.testing.prefill import PrefillProcess
 from tests.faultkit import poll_until
 

@@ -163,7 +163,8 @@ def run_bench(opts: BenchOptions, command: list[str] | None = None) -> BenchRepo
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvconnect.bench.report import write_json, write_plot
+    from kvconnect.bench.plot import write_plot
+    from kvconnect.bench.report import write_json
     from kvconnect.bench.table import format_table
 
     try:

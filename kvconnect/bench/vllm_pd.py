@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from kvconnect.bench.pull import CopyCeiling
+from kvconnect.bench.ceiling import CopyCeiling
 from kvconnect.testing.net import free_port
 from kvconnect.testing.tiny_llama import TinyLlama, build
 from kvconnect.testing.vllm_cluster import Server, VllmCluster, connector_json

@@ -38,6 +38,7 @@ from kvconnect.core.handshake import SideChannelServer
 from kvconnect.core.lease import Lease, LeaseTable, new_lease_id
 from kvconnect.core.params import KVTransferParams, validate_block_ids
 from kvconnect.core.peers import PeerSet
+from kvconnect.core.prefill import PrefillSide, peer_info
 from kvconnect.core.pull import Pull, PullHandle, PullStats
 from kvconnect.core.snapshot import ConnectorSnapshot, Counters
 
@@ -78,30 +79,8 @@ class KVConnector:
                 [[addr, self.spec.region_bytes, cache.device_id] for addr in cache.base_addrs()], dtype=np.int64
             )
             self._agent.register(regions, MemKind.for_device(self.spec.device))
-            ipc_handles, ipc_offsets, host = [], [], ""
-            if self.spec.device == "cuda" and config.transport is not TransportChoice.NIXL:
-                from kvconnect.core.transports import ipc_gather
-
-                try:
-                    exported = [ipc_gather.export_region(addr) for addr in cache.base_addrs()]
-                    ipc_handles, ipc_offsets = [h for h, _ in exported], [o for _, o in exported]
-                    host = ipc_gather.host_id()
-                except ipc_gather.PeerCopyError as e:
-                    log.warning("CUDA IPC export unavailable, peers will use NIXL: %s", e)
-            self._peer_info = p.PeerInfo(
-                protocol_version=p.PROTOCOL_VERSION,
-                engine_id=self.engine_id,
-                incarnation_id=self.incarnation_id,
-                agent_name=self._agent.name,
-                agent_metadata=self._agent.metadata(),
-                spec=self.spec,
-                base_addrs=cache.base_addrs(),
-                device_id=cache.device_id,
-                host_id=host,
-                ipc_handles=ipc_handles,
-                ipc_offsets=ipc_offsets,
-                lease_grace_ms=round(config.lease_grace_s * 1000),
-            )
+            self._peer_info = peer_info(self.engine_id, self.incarnation_id, self._agent, cache, config)
+            self._prefill = PrefillSide(self._leases, self._agent, self._counters, self.incarnation_id)
             self._ctx = zmq.Context()
             secret = config.secret_bytes
             self._server = SideChannelServer(
@@ -186,45 +165,7 @@ class KVConnector:
 
     def _handle(self, msg: p.Request) -> p.Reply:
         """Side-channel requests, on the loop thread."""
-        if isinstance(msg, p.Hello):
-            return self._peer_info
-        self._drain_notifs()  # a notification may be queued behind this request
-        lease_id, peer = msg.lease_id, msg.engine_id[:64]  # (ids come from a peer: logged truncated)
-        problem = self._leases.blocks_problem(lease_id, msg.block_ids)
-        if not problem and msg.action is not p.LeaseAction.RELEASE and not msg.read_token:
-            problem = "read_token: required for a pin or a confirmation"
-        if problem:  # names blocks its lease does not hold: refused, the lease left as it is
-            log.warning("lease %s...: %s refused from %s: %s", lease_id[:8], msg.action.value, peer, problem)
-            return p.LeaseReply(lease_id, p.LeaseState.UNKNOWN, self.incarnation_id, reason=problem, seq=msg.seq)
-        pin_s = min(msg.pin_ms / 1000, self._leases.ttl_s)  # a client-sent pin lasts no longer than a lease
-        if msg.action is p.LeaseAction.CONFIRM:
-            state = self._leases.complete(lease_id, msg.reader, msg.readers, msg.read_token)
-        elif msg.action is p.LeaseAction.PIN:
-            state = self._leases.pin(lease_id, msg.reader, pin_s, msg.read_token)
-        else:
-            state = self._leases.release(lease_id, msg.reader, msg.block_ids, msg.read_token)
-            if state is p.LeaseState.RELEASED:
-                log.info("lease %s... released by %s", lease_id[:8], peer)
-        if state is p.LeaseState.UNKNOWN:
-            self._counters.unknown_lease_requests += 1  # not granted yet (lease_grace_s), forgotten, or made up
-        elif state is p.LeaseState.CONSUMED:
-            log.warning("lease %s...: %s from %s refused: another reader's", lease_id[:8], msg.action.value, peer)
-        return p.LeaseReply(lease_id, state, self.incarnation_id, seq=msg.seq)
-
-    def _drain_notifs(self) -> None:
-        for agent_name, messages in self._agent.notifs().items():
-            for raw in messages:
-                try:
-                    notif = p.decode_notif(raw)
-                except KVConnectError as e:
-                    log.warning("ignoring malformed notification from %s: %s", agent_name, e)
-                    continue
-                if notif.incarnation_id != self.incarnation_id or not notif.read_token or \
-                        not self._leases.digest_matches(notif.lease_id, notif.num_blocks, notif.blocks_digest):
-                    self._counters.stale_notifs += 1  # another incarnation's, or a read of blocks not leased
-                    continue
-                self._counters.notifs += 1
-                self._leases.complete(notif.lease_id, notif.reader, notif.readers, notif.read_token)
+        return self._peer_info if isinstance(msg, p.Hello) else self._prefill.answer(msg)
 
     # --- decode role -------------------------------------------------------------------------------
 
@@ -313,7 +254,7 @@ class KVConnector:
                 self._inbox.get_nowait()()
             except queue.Empty:
                 break
-        self._drain_notifs()
+        self._prefill.drain_notifs()
         self._decode.progress()
         self._leases.expire()
 

@@ -20,15 +20,12 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 from kvconnect.core import protocol as p
 from kvconnect.core.agent import XferState
 from kvconnect.core.allowlist import parse_allowlist
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig
 from kvconnect.core.confirm import LeaseConfirmation
-from kvconnect.core.descriptors import token_span
 from kvconnect.core.errors import (
     HandshakeError,
     HandshakeTimeoutError,
@@ -39,13 +36,12 @@ from kvconnect.core.errors import (
     TransferError,
     TransferTimeoutError,
 )
-from kvconnect.core.hetero import Path
 from kvconnect.core.params import KVTransferParams
 from kvconnect.core.peers import Peer, PeerSet
-from kvconnect.core.pull import AbandonedReads, PinState, Pull, PullGroup, PullHandle, PullPhase, release_posted
+from kvconnect.core.pull import AbandonedReads, PinState, Pull, PullHandle, PullPhase, release_posted
 from kvconnect.core.releases import Releases
 from kvconnect.core.snapshot import Counters
-from kvconnect.core.staging import place, reserve
+from kvconnect.core.staging import place
 
 log = logging.getLogger(__name__)
 
@@ -79,23 +75,15 @@ class DecodeSide:
             raise InvalidRequestError("kv_transfer_params.remote_host", f"{pull.remote_host!r} is not an allowed "
                                       "prefill peer (peer_allowlist)")
         sources = self.peers.sources(pull.remote_tp)
-        if len(sources.reads) == 1:
-            pull.source = sources.reads[0]
-            pull.remote_port += pull.source.rank
-            if pull.source.rank:
-                pull.expected_incarnation = None  # the params name rank 0's incarnation
-            parts = [pull]
-        else:
-            group = PullGroup(pull, len(sources.reads))
-            parts = [pull.part(source, group) for source in sources.reads]
+        parts = pull.parts_for(sources.reads)
 
         def start() -> None:
             for part in parts:
                 try:
                     self._start(part)
                 except Exception as e:  # e.g. no socket for the peer: this pull fails, naming why
-                    self._fail(part, e if isinstance(e, KVConnectError) else TransferError(
-                        f"pull {part.handle.request_id}: could not start: {type(e).__name__}: {e}"))
+                    why = f"pull {part.handle.request_id}: could not start: {type(e).__name__}: {e}"
+                    self._fail(part, e if isinstance(e, KVConnectError) else TransferError(why))
             for rank in sources.release_only:
                 self.release.to_rank(params, rank)  # copies of heads nobody reads: free them now
 
@@ -144,11 +132,7 @@ class DecodeSide:
             return
         self._counters.handshakes += 1
         handshake_s = time.monotonic() - peer.hello_sent_s
-        assert peer.plan is not None and peer.transport is not None
-        log.info("peer %s ready: incarnation %s, %s<-%s, %s, %d descriptors per block, over %s, handshake %.1f ms "
-                 "(setup %.1f ms)", peer.key, info.incarnation_id[:12], self._cache.spec.kind.value,
-                 info.spec.kind.value, peer.plan.describe(), peer.plan.descs_per_block, peer.transport.kind.value,
-                 handshake_s * 1e3, (time.monotonic() - t0) * 1e3)
+        self.peers.log_ready(peer, handshake_s, time.monotonic() - t0)
         waiting, peer.waiting = peer.waiting, []
         for pull in waiting:
             pull.handle.stats.handshake_s = handshake_s
@@ -164,27 +148,20 @@ class DecodeSide:
         assert plan_src is not None and transport is not None and info is not None and pull.source is not None
         t0 = time.monotonic()
         try:
-            if plan_src.path is Path.STAGING:
-                if not reserve(self.peers.staging_pool(plan_src), pull):
-                    self._staging_wait.append(pull)
-                    return
-                assert pull.staging_ids is not None
-                local, remote = transport.order(np.asarray(pull.staging_ids, dtype=np.int64), pull.remote_block_ids)
-            else:
-                local, remote = transport.order(pull.local_block_ids, pull.remote_block_ids)
-            if not plan_src.pair.block_for_block or plan_src.path is Path.STAGING:
-                pull.num_tokens = token_span(len(pull.local_block_ids), self._cache.spec.block_size,
-                                             len(pull.remote_block_ids), info.spec.block_size, pull.num_tokens)
+            ordered = self.peers.order(peer, pull)
         except InvalidRequestError as e:
             self._fail(pull, e)
             return
+        if ordered is None:  # no staging space yet
+            self._staging_wait.append(pull)
+            return
+        local, remote = ordered
         stats = pull.handle.stats
         stats.validate_s = time.monotonic() - t0
         stats.granularity = plan_src.pair.granularity.name
         stats.transport = transport.kind.value
         stats.path = plan_src.path.value
-        notif = p.encode_notif(pull.lease_id, info.incarnation_id, pull.source.reader, pull.source.readers,
-                               pull.remote_block_ids.tolist(), pull.read_token)
+        notif = pull.notif(info.incarnation_id)
         self._confirm.pin(peer, pull)  # before posting: the PIN's round trip runs while the transfer is posted
         try:
             pull.posted, state, plan = transport.post(local, remote, pull.num_tokens, notif)

@@ -21,13 +21,13 @@ from kvconnect.core import protocol as p
 from kvconnect.core.agent import MemKind, NixlAgent, PreppedList
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig, TransportChoice
-from kvconnect.core.descriptors import PairPlan, strided_descriptor_array
+from kvconnect.core.descriptors import PairPlan, strided_descriptor_array, token_span
 from kvconnect.core.errors import InvalidRequestError, LayoutMismatchError
 from kvconnect.core.handshake import PeerChannel
 from kvconnect.core.hetero import Path, Source, SourcePlan, Sources, plan_source, plan_sources
 from kvconnect.core.layout import CacheSpec
 from kvconnect.core.lease_client import ShortChannels
-from kvconnect.core.staging import StagingPool
+from kvconnect.core.staging import StagingPool, reserve
 from kvconnect.core.transports.base import Transport
 from kvconnect.core.transports.nixl_read import NixlRead
 
@@ -165,6 +165,31 @@ class PeerSet:
         peer.transport = self._same_host_transport(peer, info, plan.pair) if plan.path is Path.BLOCK else None
         if peer.transport is None:
             peer.transport = NixlRead(self._agent, plan.pair, local_list, remote_list)
+
+    def log_ready(self, peer: Peer, handshake_s: float, setup_s: float) -> None:
+        assert peer.plan is not None and peer.transport is not None and peer.info is not None
+        log.info("peer %s ready: incarnation %s, %s<-%s, %s, %d descriptors per block, over %s, handshake %.1f ms "
+                 "(setup %.1f ms)", peer.key, peer.info.incarnation_id[:12], self._cache.spec.kind.value,
+                 peer.info.spec.kind.value, peer.plan.describe(), peer.plan.descs_per_block,
+                 peer.transport.kind.value, handshake_s * 1e3, setup_s * 1e3)
+
+    def order(self, peer: Peer, pull: Pull) -> tuple[np.ndarray, np.ndarray] | None:
+        """(local, remote) ids of `pull` in the order its transfer moves them (into staging blocks on the
+        staging path: None while there are none free); sets the tokens the blocks hold where block sizes
+        differ. InvalidRequestError when the ids do not fit the peer."""
+        plan, transport, info = peer.plan, peer.transport, peer.info
+        assert plan is not None and transport is not None and info is not None
+        if plan.path is Path.STAGING:
+            if not reserve(self.staging_pool(plan), pull):
+                return None
+            assert pull.staging_ids is not None
+            local, remote = transport.order(np.asarray(pull.staging_ids, dtype=np.int64), pull.remote_block_ids)
+        else:
+            local, remote = transport.order(pull.local_block_ids, pull.remote_block_ids)
+        if not plan.pair.block_for_block or plan.path is Path.STAGING:
+            pull.num_tokens = token_span(len(pull.local_block_ids), self._cache.spec.block_size,
+                                         len(pull.remote_block_ids), info.spec.block_size, pull.num_tokens)
+        return local, remote
 
     def staging_pool(self, plan: SourcePlan) -> StagingPool:
         assert plan.staging_spec is not None

@@ -25,6 +25,7 @@ from kvconnect.core.errors import KVConnectError, PeerGoneError, TransferTimeout
 from kvconnect.core.hetero import Source
 from kvconnect.core.layout import CacheSpec
 from kvconnect.core.params import KVTransferParams, validated_pull
+from kvconnect.core.protocol import encode_notif
 from kvconnect.core.transports.base import Posted
 
 log = logging.getLogger(__name__)
@@ -165,6 +166,12 @@ class Pull:
     # this pull's own claim on the lease (lease.py): a replay of the same params by another pull has another
     read_token: bytes = field(default_factory=lambda: secrets.token_bytes(16))
 
+    def notif(self, incarnation_id: str) -> bytes:
+        """The notification this pull's READ carries to the prefill (it completes the lease for this reader)."""
+        assert self.source is not None
+        return encode_notif(self.lease_id, incarnation_id, self.source.reader, self.source.readers,
+                            self.remote_block_ids.tolist(), self.read_token)
+
     def run_on_settled(self) -> None:
         """Run the `on_settled` hook once: no READ can write into this pull's blocks any more."""
         hook, self.on_settled = self.on_settled, None
@@ -197,6 +204,17 @@ class Pull:
             remote_tp=target.tp_size,
             num_tokens=target.num_tokens,
         )
+
+    def parts_for(self, reads: Sequence[Source]) -> list[Pull]:
+        """This pull as one pull per prefill rank it reads (several are joined by a `PullGroup`)."""
+        if len(reads) == 1:
+            self.source = reads[0]
+            self.remote_port += self.source.rank
+            if self.source.rank:
+                self.expected_incarnation = None  # the params name rank 0's incarnation
+            return [self]
+        group = PullGroup(self, len(reads))
+        return [self.part(source, group) for source in reads]
 
     def part(self, source: Source, group: PullGroup) -> Pull:
         """The pull of one source rank of a request read from several (ranks listen on base port + rank)."""

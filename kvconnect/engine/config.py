@@ -21,7 +21,7 @@ FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 class ModelConfig:
     """Shape of the Llama-architecture demo model; `seed` fixes every weight."""
 
-    vocab_size: int = VOCAB_SIZE  # 256 bytes + BOS + EOS
+    vocab_size: int = VOCAB_SIZE  # 256 bytes + BOS + EOS + 256 words
     hidden_size: int = 256
     num_layers: int = 4
     num_heads: int = 8

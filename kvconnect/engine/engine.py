@@ -31,7 +31,7 @@ from kvconnect.engine.model import LlamaModel
 from kvconnect.engine.sampling import SamplingParams, sample
 from kvconnect.engine.scheduler import Scheduler
 from kvconnect.engine.sequence import FinishReason, Sequence, TokenEvent
-from kvconnect.engine.tokenizer import ByteTokenizer
+from kvconnect.engine.tokenizer import GENERATED_FIRST, ByteTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +232,8 @@ class Engine:
             return True
         for row, seq in enumerate(seqs):
             seq.num_computed_tokens += 1
-            token, logprob = sample(logits[row], seq.sampling, seq.generator)
+            token, logprob = sample(logits[row, GENERATED_FIRST:], seq.sampling, seq.generator)
+            token += GENERATED_FIRST  # (the model speaks in words: tokenizer.py)
             seq.output_ids.append(token)
             if token in seq.stop_ids:
                 self._finish(seq, FinishReason.STOP, None)

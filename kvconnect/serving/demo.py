@@ -101,8 +101,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"kvconnect demo: prefill({args.layout}) -> decode({decode_layout}) on {device}, "
               f"proxy {cluster.urls['proxy']}, started in {startup_s:.1f}s")
-        print("(the demo model has seeded random weights: its text is noise; what matters is that every "
-              "disaggregated completion equals the aggregated one token for token)")
+        print("(the demo model has seeded random weights and a 256-word output vocabulary: its words are random; "
+              "what matters is that every disaggregated completion equals the aggregated one token for token)")
         for row in rows:
             print(_fmt(row))
         print(f"disaggregated == aggregated: {ok} ({summary['num_equal']}/{len(rows)}); "

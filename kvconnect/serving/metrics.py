@@ -18,7 +18,7 @@ from kvconnect.core.pull import PullStats
 from kvconnect.core.snapshot import ConnectorSnapshot
 
 if TYPE_CHECKING:
-    from kvconnect.bench.verdict import TransportVerdict
+    from kvconnect.verdict.ucx_tables import TransportVerdict
 
 _TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _BYTE_BUCKETS = tuple(float(2**k) for k in range(12, 36, 2))

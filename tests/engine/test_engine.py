@@ -20,6 +20,7 @@ from kvconnect.engine import (
     SamplingParams,
 )
 from kvconnect.engine.attention import BatchItem, build_batch
+from kvconnect.engine.tokenizer import VOCAB_SIZE, WORD_BASE
 
 from .support import DEADLINE_S, LAYOUTS, Collector, generate, prompt, small_config, submit, wait_until
 
@@ -37,6 +38,7 @@ def test_generates_max_tokens_then_length(engine: Engine) -> None:
     assert [e.num_output_tokens for e in c.events] == [*range(1, 13), 12]
     assert all(e.num_prompt_tokens == 20 for e in c.events)
     assert all(lp is not None and lp <= 0 for lp in c.logprobs)
+    assert all(WORD_BASE <= t < VOCAB_SIZE for t in c.tokens), c.tokens  # words, readable (tokenizer.py)
     final = c.final
     assert final.finish_reason is FinishReason.LENGTH and final.finish_reason == "length"
     assert final.token_id is None and final.error is None

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from kvconnect.core.errors import InvalidRequestError
 from kvconnect.engine import BOS_ID, EOS_ID, ByteTokenizer, ChatMessage
+from kvconnect.engine.tokenizer import GENERATED_FIRST, VOCAB_SIZE, WORD_BASE, WORDS
 
 tok = ByteTokenizer()
 
@@ -31,12 +32,21 @@ def test_specials_skipped_or_shown() -> None:
     assert tok.decode(ids) == "hi"
     assert tok.decode(ids, skip_special=False) == "<bos>hi<eos>"
     assert tok.is_special(EOS_ID) and not tok.is_special(ord("a"))
-    assert tok.vocab_size == 258
+    assert tok.vocab_size == 258 + 256
+
+
+def test_generated_words_decode_as_words_whole_and_streamed() -> None:
+    """What the engine generates (EOS and the words) reads as text; bytes before a word end cleanly."""
+    ids = [*tok.encode("hi", add_bos=False), WORD_BASE, WORD_BASE + len(WORDS) - 1, EOS_ID]
+    assert tok.decode(ids) == f"hi {WORDS[0]} {WORDS[-1]}"
+    dec = tok.incremental_decoder()
+    assert "".join(dec.feed(i) for i in ids) + dec.flush() == tok.decode(ids)
+    assert not tok.is_special(WORD_BASE) and GENERATED_FIRST == EOS_ID and len(set(WORDS)) == len(WORDS)
 
 
 def test_out_of_range_ids_are_refused() -> None:
     with pytest.raises(InvalidRequestError):
-        tok.decode([258])
+        tok.decode([VOCAB_SIZE])
     with pytest.raises(InvalidRequestError):
         tok.incremental_decoder().feed(-1)
 

@@ -1,25 +1,8 @@
-"""Transport verdict: how fast a NIXL READ runs on this host and memory kind, against a plain torch copy of
-the same bytes in the same run, and which UCX transport carried it.
+"""The calibration itself: a NIXL READ between two processes of this host, timed against a copy of the
+same bytes, with UCX's protocol log read afterwards (`kvconnect.verdict` says why and how).
 
-NIXL does not say which UCX transport it ended up on, but UCX does: with `UCX_PROTO_INFO=used` each UCX
-worker prints, when it is destroyed, a table of the protocols it actually used, e.g.
-
-    | ini intra-node cfg#1                                             |
-    | remote memory read by ucp_get*(multi) into host memory from host |
-    | Count | Range  | Description        | Config  |
-    |     5 | 0..inf | software emulation | tcp/lo  |
-
-The Config column names `transport/device` (`cma/memory`, `tcp/lo`, `cuda_ipc/cuda`, `rc_mlx5/mlx5_0:1`,
-or `66% on cma/memory and 34% on rc_mlx5/mlx5_0:1` for several rails). So `calibrate()` runs the
-measurement in a child process (`python -m kvconnect.bench.verdict`) with that variable set and UCX's log sent to
-a file (`UCX_LOG_FILE`) in a scratch directory, then reads the READ's table from it; when there is none it
-reports "unknown". The child spawns a second process that owns the scratch buffer, so the READ crosses
-processes as a real pull does (two agents of one process are not what a pull sees: UCX refuses cuda_ipc
-within one process, for one). Both processes inherit this process's environment (UCX_TLS and friends).
-
-The verdict is a READ between two processes of *this* host on the worker's memory kind: it shows what
-UCX makes of local transfers (shared memory, cuda_ipc, or a fall back to TCP), not the network path to a
-prefill worker on another host.
+`python -m kvconnect.verdict.probe` is the child process `calibrate` runs; `kvconnect verdict` runs
+`calibrate` once and prints the verdict as JSON.
 """
 
 from __future__ import annotations
@@ -29,7 +12,6 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -43,89 +25,11 @@ import numpy as np
 from kvconnect.core.agent import MemKind, NixlAgent, XferState
 from kvconnect.core.config import ConnectorConfig, env_setting
 from kvconnect.core.errors import ConfigError, KVConnectError, NixlError
+from kvconnect.verdict.ucx_tables import NUM_DESCS, MiB, TransportVerdict, parse_proto_tables, read_transports
 
 log = logging.getLogger(__name__)
 
-MiB = 2**20
 DEFAULT_BYTES = 64 * MiB  # DRAM too: 16 MiB plus its copy fit a 32 MiB L3, and the ceiling became cache speed
-NUM_DESCS = 4  # the scratch buffer is read as this many equal descriptors (NIXL merges adjacent ones)
-_PREFIX = re.compile(r"^\s*(\[[^\]]*\]\s*){0,2}")  # UCX log line prefix: [timestamp] [host:pid:thread]
-_TRANSPORT = re.compile(r"([A-Za-z][\w-]*)/\S+")  # "cma/memory", "rc_mlx5/mlx5_0:1"
-
-
-class TransportVerdict(msgspec.Struct, kw_only=True, frozen=True):
-    """One calibration: NIXL READ throughput, the copy ceiling, and the UCX transport(s) of the READ."""
-
-    gbps: float  # median over the timed READs
-    ceiling_gbps: float  # median torch copy of the same bytes, peer device -> device
-    ratio: float  # gbps / ceiling_gbps
-    transport: str  # "cma", "tcp", "cuda_ipc", "rc_mlx5+cma", ... or "unknown"
-    transports: tuple[str, ...] = ()
-    ucx_config: tuple[str, ...] = ()  # UCX's Config cells for the READ, e.g. ("cma/memory",)
-    protocol: str = ""  # UCX's description, e.g. "zero-copy" or "software emulation"
-    mem_kind: str = "DRAM"  # of the reading side
-    device: str = "cpu"
-    peer_device: str = "cpu"
-    bytes: int = 0
-    num_descs: int = NUM_DESCS
-    reps: int = 0
-    ceiling_kind: str = ""
-    duration_s: float = 0.0  # the whole calibration, process start-up included
-
-    @property
-    def is_tcp(self) -> bool:
-        return any(t.startswith("tcp") for t in self.transports)
-
-    def summary(self) -> str:
-        return (f"transport verdict: {self.gbps:.1f} GB/s of {self.ceiling_gbps:.1f} GB/s ceiling "
-                f"({100 * self.ratio:.0f} %) over {self.transport} ({self.mem_kind}, {self.bytes / MiB:.0f} MiB, "
-                f"{self.protocol or 'protocol unknown'}, {self.duration_s:.1f} s)")
-
-
-class ProtoUse(msgspec.Struct, frozen=True):
-    """One row of a UCX protocol table."""
-
-    operation: str  # "remote memory read by ucp_get*(multi) into host memory from host"
-    count: int | None  # None where the table has no Count column (UCX_PROTO_INFO=y)
-    range: str
-    description: str
-    config: str
-
-
-# --- UCX protocol tables ----------------------------------------------------------------------------
-
-
-def parse_proto_tables(text: str) -> list[ProtoUse]:
-    """Every data row of every UCX protocol table in `text` (UCX log lines; anything else is skipped)."""
-    rows: list[ProtoUse] = []
-    operation, header = "", None
-    for raw in text.splitlines():
-        line = _PREFIX.sub("", raw).strip()
-        if not line.startswith("|"):
-            if not line.startswith("+"):  # not a table line: any table has ended
-                operation, header = "", None
-            continue
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) == 1:  # a table's title rows: "<context> <ep kind> cfg#N", then the operation
-            operation, header = (cells[0], None) if " by " in cells[0] else ("", None)
-        elif header is None:
-            header = [c.lower() for c in cells]
-        elif operation:
-            row = dict(zip(header, cells, strict=False))
-            count = row.get("count", "")
-            rows.append(ProtoUse(operation, int(count) if count.isdigit() else None, row.get("range", ""),
-                                 row.get("description", ""), row.get("config", "")))
-    return rows
-
-
-def read_transports(rows: list[ProtoUse]) -> tuple[tuple[str, ...], tuple[str, ...], str]:
-    """(transports, config cells, descriptions) of the rows for remote reads (ucp_get), most used first."""
-    used = [r for r in rows if "remote memory read" in r.operation and r.count != 0]
-    used.sort(key=lambda r: -(r.count or 0))
-    transports = [m for r in used for m in _TRANSPORT.findall(r.config)]
-    configs = [r.config for r in used]
-    descriptions = [r.description for r in used]
-    return tuple(dict.fromkeys(transports)), tuple(dict.fromkeys(configs)), ", ".join(dict.fromkeys(descriptions))
 
 
 # --- the measurement (runs in the child process) ------------------------------------------------------
@@ -271,8 +175,8 @@ def measure(device: str, peer_device: str, nbytes: int, reps: int, timeout_s: fl
 
 
 def child_main(argv: list[str]) -> int:
-    """`python -m kvconnect.bench.verdict --out PATH ...`: measure and write the verdict as JSON to PATH."""
-    p = argparse.ArgumentParser(prog="python -m kvconnect.bench.verdict")
+    """`python -m kvconnect.verdict.probe --out PATH ...`: measure and write the verdict as JSON to PATH."""
+    p = argparse.ArgumentParser(prog="python -m kvconnect.verdict.probe")
     add_arguments(p)  # the parent passes every value explicitly
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -312,7 +216,7 @@ def calibrate(device: str = "cpu", peer_device: str = "", nbytes: int = 0, reps:
         out = os.path.join(tmp, "verdict.json")
         child_env = {**os.environ, "NIXL_LOG_LEVEL": "WARN", **(env or {}),
                      "UCX_PROTO_INFO": "used", "UCX_LOG_FILE": os.path.join(tmp, "ucx.%p")}
-        cmd = [sys.executable, "-m", "kvconnect.bench.verdict", "--device", device, "--peer-device", peer_device,
+        cmd = [sys.executable, "-m", "kvconnect.verdict.probe", "--device", device, "--peer-device", peer_device,
                "--bytes", str(nbytes), "--reps", str(reps), "--timeout-s", str(timeout_s), "--out", out]
         try:
             proc = subprocess.Popen(cmd, env=child_env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -392,6 +296,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    from kvconnect.bench import verdict as _importable  # functions spawned processes can find by module name
+    from kvconnect.verdict import probe as _importable  # functions spawned processes can find by module name
 
     sys.exit(_importable.child_main(sys.argv[1:]))

@@ -1,0 +1,95 @@
+"""Prefill side of a connector: what its handshake says, and its lease table's answers to decodes.
+
+Loop thread only. A decode's PIN, CONFIRM or RELEASE names a lease by id and the blocks it is about; one
+that names blocks its lease does not hold, or a PIN/CONFIRM without a read token, is refused and leaves the
+lease as it is. A NIXL notification (sent by the decode's READ when it ends) completes the lease for its
+reader, but only when it names this incarnation and carries the digest of exactly the leased blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvconnect.core import protocol as p
+from kvconnect.core.agent import NixlAgent
+from kvconnect.core.cache import KVCache
+from kvconnect.core.config import ConnectorConfig, TransportChoice
+from kvconnect.core.errors import KVConnectError
+from kvconnect.core.lease import LeaseTable
+from kvconnect.core.snapshot import Counters
+
+log = logging.getLogger(__name__)
+
+
+def peer_info(engine_id: str, incarnation_id: str, agent: NixlAgent, cache: KVCache,
+              config: ConnectorConfig) -> p.PeerInfo:
+    """The handshake answer: the agent, the cache's spec and regions, and (CUDA, unless only NIXL is
+    allowed) the IPC handles a same-host peer maps the regions from."""
+    ipc_handles: list[bytes] = []
+    ipc_offsets: list[int] = []
+    host = ""
+    if cache.spec.device == "cuda" and config.transport is not TransportChoice.NIXL:
+        from kvconnect.core.transports import ipc_gather
+
+        try:
+            exported = [ipc_gather.export_region(addr) for addr in cache.base_addrs()]
+            ipc_handles, ipc_offsets = [h for h, _ in exported], [o for _, o in exported]
+            host = ipc_gather.host_id()
+        except ipc_gather.PeerCopyError as e:
+            log.warning("CUDA IPC export unavailable, peers will use NIXL: %s", e)
+    return p.PeerInfo(
+        protocol_version=p.PROTOCOL_VERSION, engine_id=engine_id, incarnation_id=incarnation_id,
+        agent_name=agent.name, agent_metadata=agent.metadata(), spec=cache.spec, base_addrs=cache.base_addrs(),
+        device_id=cache.device_id, host_id=host, ipc_handles=ipc_handles, ipc_offsets=ipc_offsets,
+        lease_grace_ms=round(config.lease_grace_s * 1000),
+    )
+
+
+class PrefillSide:
+    def __init__(self, leases: LeaseTable, agent: NixlAgent, counters: Counters, incarnation_id: str) -> None:
+        self._leases = leases
+        self._agent = agent
+        self._counters = counters
+        self._incarnation_id = incarnation_id
+
+    def answer(self, msg: p.LeaseRequest) -> p.LeaseReply:
+        """A decode's lease request, answered with the lease's state (or a refusal and its reason)."""
+        self.drain_notifs()  # a notification may be queued behind this request
+        lease_id, peer = msg.lease_id, msg.engine_id[:64]  # (ids come from a peer: logged truncated)
+        problem = self._leases.blocks_problem(lease_id, msg.block_ids)
+        if not problem and msg.action is not p.LeaseAction.RELEASE and not msg.read_token:
+            problem = "read_token: required for a pin or a confirmation"
+        if problem:  # names blocks its lease does not hold: refused, the lease left as it is
+            log.warning("lease %s...: %s refused from %s: %s", lease_id[:8], msg.action.value, peer, problem)
+            return p.LeaseReply(lease_id, p.LeaseState.UNKNOWN, self._incarnation_id, reason=problem, seq=msg.seq)
+        pin_s = min(msg.pin_ms / 1000, self._leases.ttl_s)  # a client-sent pin lasts no longer than a lease
+        if msg.action is p.LeaseAction.CONFIRM:
+            state = self._leases.complete(lease_id, msg.reader, msg.readers, msg.read_token)
+        elif msg.action is p.LeaseAction.PIN:
+            state = self._leases.pin(lease_id, msg.reader, pin_s, msg.read_token)
+        else:
+            state = self._leases.release(lease_id, msg.reader, msg.block_ids, msg.read_token)
+            if state is p.LeaseState.RELEASED:
+                log.info("lease %s... released by %s", lease_id[:8], peer)
+        if state is p.LeaseState.UNKNOWN:
+            self._counters.unknown_lease_requests += 1  # not granted yet (lease_grace_s), forgotten, or made up
+        elif state is p.LeaseState.CONSUMED:
+            log.warning("lease %s...: %s from %s refused: another reader's", lease_id[:8], msg.action.value, peer)
+        return p.LeaseReply(lease_id, state, self._incarnation_id, seq=msg.seq)
+
+    def drain_notifs(self) -> None:
+        """Complete the leases whose READs have ended, as their notifications say."""
+        for agent_name, messages in self._agent.notifs().items():
+            for raw in messages:
+                try:
+                    notif = p.decode_notif(raw)
+                except KVConnectError as e:
+                    log.warning("ignoring malformed notification from %s: %s", agent_name, e)
+                    continue
+                if notif.incarnation_id != self._incarnation_id or not notif.read_token or \
+                        not self._leases.digest_matches(notif.lease_id, notif.num_blocks, notif.blocks_digest):
+                    self._counters.stale_notifs += 1  # another incarnation's, or a read of blocks not leased
+                    continue
+                self._counters.notifs += 1
+                self._leases.complete(notif.lease_id, notif.reader, notif.readers, notif.read_token)
+
