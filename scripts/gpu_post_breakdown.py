@@ -1,6 +1,6 @@
 """Where a pull's time goes in the real two-process flow (prefill on cuda:0, decode on cuda:1).
 
-    python3 scripts/gpu_post_breakdown.py [ipc|nixl]
+python3 scripts/gpu_post_breakdown.py [ipc|nixl]
 """
 
 import statistics
@@ -19,8 +19,16 @@ from kvconnect.testing.prefill import PrefillProcess
 
 def main() -> None:
     transport = sys.argv[1] if len(sys.argv) > 1 else "ipc"
-    spec = CacheSpec(kind=LayoutKind.CROSS_LAYER, dtype="bfloat16", num_layers=32, num_blocks=320, block_size=16,
-                     num_kv_heads=8, head_dim=128, device="cuda")
+    spec = CacheSpec(
+        kind=LayoutKind.CROSS_LAYER,
+        dtype="bfloat16",
+        num_layers=32,
+        num_blocks=320,
+        block_size=16,
+        num_kv_heads=8,
+        head_dim=128,
+        device="cuda",
+    )
     pre = PrefillProcess.start(spec, device="cuda:0", transport=transport)
     torch.cuda.set_device(1)
     dec = KVConnector(KVCache.allocate(spec, device="cuda:1"), connector_config({}, transport=transport))

@@ -1,7 +1,7 @@
 # ruff: noqa: B023, E501
 """Where the IPC gather's posting time goes (one process, both caches on one GPU; launch costs only).
 
-    python3 scripts/gpu_post_profile.py
+python3 scripts/gpu_post_profile.py
 """
 
 import time
@@ -29,8 +29,16 @@ def timed(fn, n=200):
 dev = torch.device("cuda:0")
 torch.cuda.set_device(dev)
 for kind in (LayoutKind.CROSS_LAYER, LayoutKind.KV_FIRST):
-    spec = CacheSpec(kind=kind, dtype="bfloat16", num_layers=32, num_blocks=320, block_size=16,
-                     num_kv_heads=8, head_dim=128, device="cuda")
+    spec = CacheSpec(
+        kind=kind,
+        dtype="bfloat16",
+        num_layers=32,
+        num_blocks=320,
+        block_size=16,
+        num_kv_heads=8,
+        head_dim=128,
+        device="cuda",
+    )
     src, dst = KVCache.allocate(spec), KVCache.allocate(spec)
     pair = PairPlan.build(spec, spec)
     mapped = peer_copy.MappedPeer([], src.base_addrs())
@@ -44,7 +52,9 @@ for kind in (LayoutKind.CROSS_LAYER, LayoutKind.KV_FIRST):
     print(f"  order_checked       {timed(lambda: pair.order_checked(lids, rids)):8.1f} us")
     print(f"  plan_validated      {timed(lambda: pair.plan_validated(loc, rem)):8.1f} us")
     print(f"  upload pageable     {timed(lambda: torch.from_numpy(pairs).to(dev, non_blocking=True)):8.1f} us")
-    print(f"  upload pinned       {timed(lambda: pinned.copy_(torch.from_numpy(pairs)).to(dev, non_blocking=True)):8.1f} us")
+    print(
+        f"  upload pinned       {timed(lambda: pinned.copy_(torch.from_numpy(pairs)).to(dev, non_blocking=True)):8.1f} us"
+    )
     print(f"  post (all)          {timed(lambda: g.post(loc, rem)):8.1f} us")
     ev = g.post(loc, rem)
     torch.cuda.synchronize()
@@ -53,4 +63,6 @@ for kind in (LayoutKind.CROSS_LAYER, LayoutKind.KV_FIRST):
     t1 = time.perf_counter()
     e.synchronize()
     t2 = time.perf_counter()
-    print(f"  post {1e6*(t1-t0):.1f} us, kernel done after {1e6*(t2-t1):.1f} us (local copy, {256*spec.block_bytes/(t2-t0)/1e9:.0f} GB/s)")
+    print(
+        f"  post {1e6 * (t1 - t0):.1f} us, kernel done after {1e6 * (t2 - t1):.1f} us (local copy, {256 * spec.block_bytes / (t2 - t0) / 1e9:.0f} GB/s)"
+    )

@@ -30,6 +30,7 @@ def timed(name, fn):
             return fn(*args, **kwargs)
         finally:
             steps[name].append(time.perf_counter() - t0)
+
     return wrapper
 
 
@@ -37,8 +38,16 @@ def main() -> None:
     peer_copy.IpcGather.post = timed("ipc.post", peer_copy.IpcGather.post)
     PairPlan.bounds_checked = timed("bounds_checked", PairPlan.bounds_checked)
     PairPlan.summary = timed("summary", PairPlan.summary)
-    spec = CacheSpec(kind=LayoutKind.CROSS_LAYER, dtype="bfloat16", num_layers=32, num_blocks=320, block_size=16,
-                     num_kv_heads=8, head_dim=128, device="cuda")
+    spec = CacheSpec(
+        kind=LayoutKind.CROSS_LAYER,
+        dtype="bfloat16",
+        num_layers=32,
+        num_blocks=320,
+        block_size=16,
+        num_kv_heads=8,
+        head_dim=128,
+        device="cuda",
+    )
     decode_dev = f"cuda:{min(torch.cuda.device_count() - 1, 1)}"  # the second GPU when there is one
     pre = PrefillProcess.start(spec, device="cuda:0", transport="ipc")
     torch.cuda.set_device(torch.device(decode_dev))

@@ -30,8 +30,17 @@ from kvconnect.testing.tiny_llama import TinyLlama, build
 from kvconnect.testing.vllm_cluster import Server, VllmCluster, connector_json, generate, kvconnect_config
 
 GPU_ARGS = ["--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", "8G", "--load-format", "dummy"]
-LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-             "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 8192}
+LLAMA3_8B = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 8192,
+}
+
+
 def copy_ceiling_s(num_bytes: int) -> float:
     src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -58,12 +67,22 @@ def main() -> None:
     (model / "config.json").write_text(json.dumps({**cfg, **LLAMA3_8B}))
     vocab = int(cfg["vocab_size"])
     t0 = time.monotonic()
-    servers = [Server("kvconnect-prefill", kvconnect_config("kv_producer"), args=GPU_ARGS),
-               Server("kvconnect-decode", kvconnect_config("kv_consumer"), args=GPU_ARGS),
-               Server("nixl-prefill", connector_json("NixlConnector", "kv_producer"), args=GPU_ARGS,
-                      env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "25600"}),
-               Server("nixl-decode", connector_json("NixlConnector", "kv_consumer"), args=GPU_ARGS,
-                      env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "25700"})]
+    servers = [
+        Server("kvconnect-prefill", kvconnect_config("kv_producer"), args=GPU_ARGS),
+        Server("kvconnect-decode", kvconnect_config("kv_consumer"), args=GPU_ARGS),
+        Server(
+            "nixl-prefill",
+            connector_json("NixlConnector", "kv_producer"),
+            args=GPU_ARGS,
+            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "25600"},
+        ),
+        Server(
+            "nixl-decode",
+            connector_json("NixlConnector", "kv_consumer"),
+            args=GPU_ARGS,
+            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "25700"},
+        ),
+    ]
     rng = random.Random(7)
     rows = []
     with VllmCluster(str(model), servers, str(args.out / "logs"), block_size=16, max_model_len=8192) as c:
@@ -109,14 +128,21 @@ def main() -> None:
             nbytes = statistics.median(r["bytes"] for r in rs)
             xfer = [r["xfer_s"] for r in rs]
             ceiling = copy_ceiling_s(int(nbytes))
-            row = {"tokens": n, "connector": name, "MiB": round(nbytes / 2**20, 1),
-                   "descs": statistics.median(r["descs"] for r in rs),
-                   "xfer_ms_min/med/max": [round(min(xfer) * 1e3, 2), round(statistics.median(xfer) * 1e3, 2),
-                                           round(max(xfer) * 1e3, 2)],
-                   "GB/s_med": round(nbytes / statistics.median(xfer) / 1e9, 1),
-                   "copy_GB/s": round(nbytes / ceiling / 1e9, 1),
-                   "pct_copy": round(100 * ceiling / statistics.median(xfer), 1),
-                   "ttft_ms_med": round(statistics.median(r["ttft_s"] for r in rs) * 1e3, 1)}
+            row = {
+                "tokens": n,
+                "connector": name,
+                "MiB": round(nbytes / 2**20, 1),
+                "descs": statistics.median(r["descs"] for r in rs),
+                "xfer_ms_min/med/max": [
+                    round(min(xfer) * 1e3, 2),
+                    round(statistics.median(xfer) * 1e3, 2),
+                    round(max(xfer) * 1e3, 2),
+                ],
+                "GB/s_med": round(nbytes / statistics.median(xfer) / 1e9, 1),
+                "copy_GB/s": round(nbytes / ceiling / 1e9, 1),
+                "pct_copy": round(100 * ceiling / statistics.median(xfer), 1),
+                "ttft_ms_med": round(statistics.median(r["ttft_s"] for r in rs) * 1e3, 1),
+            }
             if name == "kvconnect":
                 row["usable_ms_med"] = round(statistics.median(r["pull_s"] for r in rs) * 1e3, 2)
             table.append(row)

@@ -54,10 +54,18 @@ def main() -> None:
         Server("aggregated", None, args=GPU_ARGS),
         Server("kvc-prefill", kvconnect_config("kv_producer"), args=GPU_ARGS),
         Server("kvc-decode", kvconnect_config("kv_consumer"), args=GPU_ARGS),
-        Server("nixl-prefill", connector_json("NixlConnector", "kv_producer"), args=GPU_ARGS,
-               env={**nixl_env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}),
-        Server("nixl-decode", connector_json("NixlConnector", "kv_consumer"), args=GPU_ARGS,
-               env={**nixl_env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}),
+        Server(
+            "nixl-prefill",
+            connector_json("NixlConnector", "kv_producer"),
+            args=GPU_ARGS,
+            env={**nixl_env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+        ),
+        Server(
+            "nixl-decode",
+            connector_json("NixlConnector", "kv_consumer"),
+            args=GPU_ARGS,
+            env={**nixl_env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+        ),
     ]
     cluster = VllmCluster(str(ckpt), servers, str(args.out / "logs"), max_model_len=2048)
     with cluster as c:
@@ -65,8 +73,22 @@ def main() -> None:
         proxies = {}
         for pair in ("kvc", "nixl"):
             port = free_port()
-            cmd = [sys.executable, "-m", "kvconnect.cli", "--log-level", "INFO", "proxy", "--host", "127.0.0.1",
-                   "--port", str(port), "--prefill", c.urls[f"{pair}-prefill"], "--decode", c.urls[f"{pair}-decode"]]
+            cmd = [
+                sys.executable,
+                "-m",
+                "kvconnect.cli",
+                "--log-level",
+                "INFO",
+                "proxy",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--prefill",
+                c.urls[f"{pair}-prefill"],
+                "--decode",
+                c.urls[f"{pair}-decode"],
+            ]
             c._cmds[f"{pair}-proxy"] = (cmd, c.base_env(Server("proxy")))
             c.urls[f"{pair}-proxy"] = proxies[pair] = f"http://127.0.0.1:{port}"
             c._spawn(f"{pair}-proxy")
@@ -80,19 +102,29 @@ def main() -> None:
             agg = generate(c.urls["aggregated"], prompt, MAX_TOKENS, chat=chat)
             kvc = generate(proxies["kvc"], prompt, MAX_TOKENS, chat=chat, stream=stream)
             nixl = generate(proxies["nixl"], prompt, MAX_TOKENS, chat=chat, stream=stream)
-            row = {"tokens~": n, "chat": chat, "stream": stream, "status": [kvc["status"], nixl["status"]],
-                   "kvc_eq_nixl": kvc["token_ids"] == nixl["token_ids"],
-                   "kvc_eq_agg": kvc["token_ids"] == agg["token_ids"],
-                   "nixl_eq_agg": nixl["token_ids"] == agg["token_ids"],
-                   "kvc": kvc["token_ids"], "nixl": nixl["token_ids"], "agg": agg["token_ids"],
-                   "errors": [kvc["error"], nixl["error"]]}
+            row = {
+                "tokens~": n,
+                "chat": chat,
+                "stream": stream,
+                "status": [kvc["status"], nixl["status"]],
+                "kvc_eq_nixl": kvc["token_ids"] == nixl["token_ids"],
+                "kvc_eq_agg": kvc["token_ids"] == agg["token_ids"],
+                "nixl_eq_agg": nixl["token_ids"] == agg["token_ids"],
+                "kvc": kvc["token_ids"],
+                "nixl": nixl["token_ids"],
+                "agg": agg["token_ids"],
+                "errors": [kvc["error"], nixl["error"]],
+            }
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k not in ("kvc", "nixl", "agg")}), flush=True)
         m = {name: metrics_text(c.urls[name]) for name in ("kvc-decode", "nixl-decode", "kvc-prefill")}
-        logs = {name: (args.out / "logs" / f"{name}.log").read_text(errors="replace")
-                for name in ("kvc-prefill", "kvc-decode")}
-    registered = [line for text in logs.values() for line in text.splitlines() if "registered" in line
-                  and "kvconnect" in line]
+        logs = {
+            name: (args.out / "logs" / f"{name}.log").read_text(errors="replace")
+            for name in ("kvc-prefill", "kvc-decode")
+        }
+    registered = [
+        line for text in logs.values() for line in text.splitlines() if "registered" in line and "kvconnect" in line
+    ]
     ready = [line for line in logs["kvc-decode"].splitlines() if "ready:" in line]
     summary = {
         "prompts": len(rows),
@@ -106,8 +138,9 @@ def main() -> None:
     print("REGISTERED", *registered, sep="\n", flush=True)
     print("READY", *ready, sep="\n", flush=True)
     print("METRICS", json.dumps(m, indent=1), flush=True)
-    (args.out / "pd.json").write_text(json.dumps({"summary": summary, "rows": rows, "metrics": m,
-                                                  "registered": registered, "ready": ready}, indent=1))
+    (args.out / "pd.json").write_text(
+        json.dumps({"summary": summary, "rows": rows, "metrics": m, "registered": registered, "ready": ready}, indent=1)
+    )
 
 
 if __name__ == "__main__":

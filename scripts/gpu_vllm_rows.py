@@ -29,9 +29,12 @@ from kvconnect.vllm.layout import describe
 
 GEO = dict(layers=32, heads=8, tokens=16, head_dim=128)
 REQUEST_BLOCKS = 256
-ROWS = [("LBNHC", "per-layer pages (FlashAttention NHD)"), ("BLNHC", "block-outermost pages"),
-        ("split:blocks_first", "per-layer (B, 2, N, H, D)"),
-        ("split:cross_layer", "block-outermost (B, L, 2, N, H, D)")]
+ROWS = [
+    ("LBNHC", "per-layer pages (FlashAttention NHD)"),
+    ("BLNHC", "block-outermost pages"),
+    ("split:blocks_first", "per-layer (B, 2, N, H, D)"),
+    ("split:cross_layer", "block-outermost (B, L, 2, N, H, D)"),
+]
 
 
 def views(shape: str, blocks: int, device: str):
@@ -46,8 +49,15 @@ def row(shape: str, transport: str, args: argparse.Namespace) -> dict:
         pre.wait_setup()
         torch.cuda.set_device(torch.device(args.decode_device))
         v, raw = views(shape, 2 * REQUEST_BLOCKS, args.decode_device)
-        d = describe(v, num_blocks=2 * REQUEST_BLOCKS, block_size=GEO["tokens"], tp_size=1, tp_rank=0,
-                     total_kv_heads=GEO["heads"], page="vllm:cuda")
+        d = describe(
+            v,
+            num_blocks=2 * REQUEST_BLOCKS,
+            block_size=GEO["tokens"],
+            tp_size=1,
+            tp_rank=0,
+            total_kv_heads=GEO["heads"],
+            page="vllm:cuda",
+        )
         ceiling = CopyCeiling(REQUEST_BLOCKS * d.cache.spec.block_bytes, args.prefill_device, args.decode_device)
         rng = np.random.default_rng(1)
         timed = []
@@ -67,13 +77,21 @@ def row(shape: str, transport: str, args: argparse.Namespace) -> dict:
         cg = ceiling.result().gbps_median
         gb = statistics.median(s.gbps for s in timed)
         e2e = statistics.median(s.bytes / s.total_s / 1e9 for s in timed)
-        return {"shape": shape, "transport": transport, "descs": timed[0].num_descs, "kind": d.cache.spec.kind.value,
-                "desc_bytes": timed[0].bytes // max(timed[0].num_descs, 1), "gbps": gb, "e2e": e2e, "ceiling": cg,
-                "post_ms": statistics.median(s.post_s for s in timed) * 1e3,
-                "xfer_ms": statistics.median(s.transfer_s for s in timed) * 1e3,
-                "queued_ms": statistics.median(s.queued_s for s in timed) * 1e3,
-                "confirm_ms": statistics.median(s.confirm_s for s in timed) * 1e3,
-                "total_ms": statistics.median(s.total_s for s in timed) * 1e3}
+        return {
+            "shape": shape,
+            "transport": transport,
+            "descs": timed[0].num_descs,
+            "kind": d.cache.spec.kind.value,
+            "desc_bytes": timed[0].bytes // max(timed[0].num_descs, 1),
+            "gbps": gb,
+            "e2e": e2e,
+            "ceiling": cg,
+            "post_ms": statistics.median(s.post_s for s in timed) * 1e3,
+            "xfer_ms": statistics.median(s.transfer_s for s in timed) * 1e3,
+            "queued_ms": statistics.median(s.queued_s for s in timed) * 1e3,
+            "confirm_ms": statistics.median(s.confirm_s for s in timed) * 1e3,
+            "total_ms": statistics.median(s.total_s for s in timed) * 1e3,
+        }
     finally:
         pre.stop()
 
@@ -87,19 +105,27 @@ def main() -> int:
     p.add_argument("--transports", default="nixl,ipc")
     args = p.parse_args()
     print("$ python3 scripts/gpu_vllm_rows.py " + " ".join(sys.argv[1:]))
-    print(f"{torch.cuda.get_device_name()}; {args.prefill_device} -> {args.decode_device}; 8B, 4096 tokens, "
-          f"scattered ids, {args.reps} timed pulls after {args.warmup} warm-ups; medians")
-    print(f"{'vLLM cache':36} {'kvconnect':12} {'transport':9} {'descs':>6} {'desc KiB':>8} {'post ms':>8} "
-          f"{'xfer ms':>8} {'queue ms':>8} {'conf ms':>8} {'total ms':>8} "
-          f"{'GB/s':>7} {'e2e':>7} {'ceil':>7} {'%ceil':>6} {'e2e %':>6}", flush=True)
+    print(
+        f"{torch.cuda.get_device_name()}; {args.prefill_device} -> {args.decode_device}; 8B, 4096 tokens, "
+        f"scattered ids, {args.reps} timed pulls after {args.warmup} warm-ups; medians"
+    )
+    print(
+        f"{'vLLM cache':36} {'kvconnect':12} {'transport':9} {'descs':>6} {'desc KiB':>8} {'post ms':>8} "
+        f"{'xfer ms':>8} {'queue ms':>8} {'conf ms':>8} {'total ms':>8} "
+        f"{'GB/s':>7} {'e2e':>7} {'ceil':>7} {'%ceil':>6} {'e2e %':>6}",
+        flush=True,
+    )
     for shape, label in ROWS:
         for transport in args.transports.split(","):
             r = row(shape, transport, args)
-            print(f"{shape + ' ' + label:36.36} {r['kind']:12} {transport:9} {r['descs']:6d} "
-                  f"{r['desc_bytes'] / 1024:8.0f} {r['post_ms']:8.2f} {r['xfer_ms']:8.2f} {r['queued_ms']:8.2f} "
-                  f"{r['confirm_ms']:8.2f} {r['total_ms']:8.2f} {r['gbps']:7.1f} "
-                  f"{r['e2e']:7.1f} {r['ceiling']:7.1f} {100 * r['gbps'] / r['ceiling']:5.0f}% "
-                  f"{100 * r['e2e'] / r['ceiling']:5.0f}%", flush=True)
+            print(
+                f"{shape + ' ' + label:36.36} {r['kind']:12} {transport:9} {r['descs']:6d} "
+                f"{r['desc_bytes'] / 1024:8.0f} {r['post_ms']:8.2f} {r['xfer_ms']:8.2f} {r['queued_ms']:8.2f} "
+                f"{r['confirm_ms']:8.2f} {r['total_ms']:8.2f} {r['gbps']:7.1f} "
+                f"{r['e2e']:7.1f} {r['ceiling']:7.1f} {100 * r['gbps'] / r['ceiling']:5.0f}% "
+                f"{100 * r['e2e'] / r['ceiling']:5.0f}%",
+                flush=True,
+            )
     return 0
 
 

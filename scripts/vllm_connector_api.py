@@ -24,16 +24,37 @@ BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
 
 def main(version: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                        "--python-version", "3.12", "--platform", "manylinux_2_31_x86_64", "-d", tmp,
-                        f"vllm=={version}"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--python-version",
+                "3.12",
+                "--platform",
+                "manylinux_2_31_x86_64",
+                "-d",
+                tmp,
+                f"vllm=={version}",
+            ],
+            check=True,
+        )
         (wheel,) = glob.glob(f"{tmp}/vllm-{version}-*.whl")
         with zipfile.ZipFile(wheel) as z:
             source = z.read(BASE).decode()
     names, hooks = hooks_of_source(source)
     out = Path(__file__).resolve().parent.parent / "tests" / "data" / f"vllm_{version}_connector_api.json"
-    out.write_text(json.dumps({"vllm": version, "module_names": sorted(names), "hooks": dict(sorted(hooks.items()))},
-                              indent=1, sort_keys=True))
+    out.write_text(
+        json.dumps(
+            {"vllm": version, "module_names": sorted(names), "hooks": dict(sorted(hooks.items()))},
+            indent=1,
+            sort_keys=True,
+        )
+    )
     print(f"{out}: {len(hooks)} hooks")
 
 

@@ -22,8 +22,12 @@ def health(url: str) -> dict[str, Any]:
 def idle(url: str) -> bool:
     """No block allocated, leased or quarantined, nothing running."""
     h = health(url)
-    return (h["free_blocks"] == h["total_blocks"] and h["leased_blocks"] == 0
-            and h.get("quarantined_blocks", 0) == 0 and h.get("running", 0) == 0)
+    return (
+        h["free_blocks"] == h["total_blocks"]
+        and h["leased_blocks"] == 0
+        and h.get("quarantined_blocks", 0) == 0
+        and h.get("running", 0) == 0
+    )
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -42,8 +46,7 @@ def metric(url: str, name: str, **labels: str) -> float:
 
 def prefill_leg(url: str, prompt: str, request_id: str) -> dict[str, Any]:
     """The proxy's first leg by hand: returns the kv_transfer_params the prefill worker leased."""
-    leg = {"prompt": prompt, "max_tokens": 1, "stream": False,
-           "kv_transfer_params": {"do_remote_decode": True}}
+    leg = {"prompt": prompt, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
     r = httpx.post(url + "/v1/completions", json=leg, headers={"x-request-id": request_id}, timeout=60)
     assert r.status_code == 200, r.text
     params = r.json()["kv_transfer_params"]
@@ -51,15 +54,15 @@ def prefill_leg(url: str, prompt: str, request_id: str) -> dict[str, Any]:
     return params  # type: ignore[no-any-return]
 
 
-def decode_leg(url: str, prompt: str, params: dict[str, Any] | None, max_tokens: int, request_id: str,
-               timeout_s: float = 60) -> dict[str, Any]:
+def decode_leg(
+    url: str, prompt: str, params: dict[str, Any] | None, max_tokens: int, request_id: str, timeout_s: float = 60
+) -> dict[str, Any]:
     """The proxy's second leg by hand: {"status", "token_ids" or None, "error", "elapsed_s"}."""
     body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "return_token_ids": True}
     if params is not None:
         body["kv_transfer_params"] = params
     t0 = time.monotonic()
-    r = httpx.post(url + "/v1/completions", json=body, headers={"x-request-id": request_id},
-                   timeout=timeout_s)
+    r = httpx.post(url + "/v1/completions", json=body, headers={"x-request-id": request_id}, timeout=timeout_s)
     out: dict[str, Any] = {"status": r.status_code, "elapsed_s": time.monotonic() - t0, "token_ids": None}
     data = r.json()
     if r.status_code == 200:
@@ -71,8 +74,9 @@ def decode_leg(url: str, prompt: str, params: dict[str, Any] | None, max_tokens:
 
 
 def reference(url: str, prompt: str, max_tokens: int) -> list[int]:
-    r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
-                                                  "return_token_ids": True}, timeout=60)
+    r = httpx.post(
+        url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "return_token_ids": True}, timeout=60
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]  # type: ignore[no-any-return]
 
@@ -81,8 +85,10 @@ def open_request(url: str, path: str, body: bytes, request_id: str) -> socket.so
     """Send one HTTP request on a raw socket and return it unread (close it to abort as a client does)."""
     host, port = url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=10)
-    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nx-request-id: {request_id}\r\nConnection: close\r\n\r\n")
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nx-request-id: {request_id}\r\nConnection: close\r\n\r\n"
+    )
     sock.sendall(head.encode() + body)
     return sock
 

@@ -11,16 +11,21 @@ from kvconnect.core.descriptors import PairPlan, PullPlan
 from kvconnect.core.params import validate_block_ids
 
 
-def validated(pair: PairPlan, local_ids: Sequence[int] | np.ndarray,
-              remote_ids: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def validated(
+    pair: PairPlan, local_ids: Sequence[int] | np.ndarray, remote_ids: Sequence[int] | np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Every check a pull's ids get on their way to a READ, in the order the READ issues them."""
     local = validate_block_ids("local_block_ids", local_ids, pair.local_spec.num_blocks)
     remote = validate_block_ids("remote_block_ids", remote_ids, pair.remote_spec.num_blocks)
     return pair.order_checked(local, remote)
 
 
-def plan(pair: PairPlan, local_ids: Sequence[int] | np.ndarray, remote_ids: Sequence[int] | np.ndarray,
-         num_tokens: int | None = None) -> PullPlan:
+def plan(
+    pair: PairPlan,
+    local_ids: Sequence[int] | np.ndarray,
+    remote_ids: Sequence[int] | np.ndarray,
+    num_tokens: int | None = None,
+) -> PullPlan:
     return pair.plan_validated(*validated(pair, local_ids, remote_ids), num_tokens=num_tokens)
 
 

@@ -16,8 +16,15 @@ from kvconnect.core.config import connector_config
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.layout import CacheSpec, LayoutKind
 
-SPEC = CacheSpec(kind=LayoutKind.BLOCKS_FIRST, num_blocks=8, dtype="float16", num_layers=2, block_size=16,
-                 num_kv_heads=2, head_dim=32)
+SPEC = CacheSpec(
+    kind=LayoutKind.BLOCKS_FIRST,
+    num_blocks=8,
+    dtype="float16",
+    num_layers=2,
+    block_size=16,
+    num_kv_heads=2,
+    head_dim=32,
+)
 
 
 def threads() -> dict[int, tuple[str, frozenset[int]]]:
@@ -31,8 +38,9 @@ def threads() -> dict[int, tuple[str, frozenset[int]]]:
     return out
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs Linux and two CPUs")
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs Linux and two CPUs"
+)
 def test_threads_the_connector_starts_leave_the_core_its_creator_was_pinned_to() -> None:
     allowed = frozenset(os.sched_getaffinity(0))
     pin = frozenset({min(allowed)})

@@ -95,8 +95,9 @@ def test_rooms_import_only_downwards(module: str) -> None:
     for target in sorted(GRAPH[module]):
         assert not target.startswith("tests"), f"{module} imports the test suite ({target})"
         theirs = room(target)
-        assert theirs == mine or theirs in ALLOWED[mine], \
+        assert theirs == mine or theirs in ALLOWED[mine], (
             f"{module} ({mine}) imports {target} ({theirs}); {mine} may import {sorted(ALLOWED[mine]) or 'nothing'}"
+        )
 
 
 def test_no_import_cycles() -> None:
@@ -110,7 +111,7 @@ def test_no_import_cycles() -> None:
             if target not in MODULES or target == node:
                 continue
             if state.get(target) == 1:
-                cycle = stack[stack.index(target):] + [target]
+                cycle = stack[stack.index(target) :] + [target]
                 raise AssertionError("import cycle: " + " -> ".join(cycle))
             if target not in state:
                 visit(target)
@@ -159,9 +160,20 @@ def test_modules_are_small_and_say_what_they_own(module: str) -> None:
 def test_the_public_api_is_declared_and_importable() -> None:
     import kvconnect
 
-    assert set(kvconnect.__all__) >= {"KVConnector", "KVCache", "CacheSpec", "LayoutKind", "ConnectorConfig",
-                                      "connector_config", "PullHandle", "PullStats", "KVTransferParams",
-                                      "KVConnectError", "LeaseLostError", "ConnectorSnapshot"}
+    assert set(kvconnect.__all__) >= {
+        "KVConnector",
+        "KVCache",
+        "CacheSpec",
+        "LayoutKind",
+        "ConnectorConfig",
+        "connector_config",
+        "PullHandle",
+        "PullStats",
+        "KVTransferParams",
+        "KVConnectError",
+        "LeaseLostError",
+        "ConnectorSnapshot",
+    }
     missing = [name for name in kvconnect.__all__ if not hasattr(kvconnect, name)]
     assert not missing
     from kvconnect.core.errors import KVConnectError

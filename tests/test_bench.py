@@ -62,11 +62,22 @@ def test_bad_arguments_fail_with_a_clear_message(argv, message, capsys) -> None:
 
 
 def test_arguments_parse_into_options() -> None:
-    opts = bench_args.options_from_args(parse(
-        "--model", "llama-3-70b", "--tokens", "256..1024", "4096",
-        "--layouts", "cross_layer,blocks_first:kv_first", "--pattern", "runs:1,runs:4,contiguous",
-        "--ucx", "UCX_TLS=tcp,cma,self", "--no-confirm",
-    ))
+    opts = bench_args.options_from_args(
+        parse(
+            "--model",
+            "llama-3-70b",
+            "--tokens",
+            "256..1024",
+            "4096",
+            "--layouts",
+            "cross_layer,blocks_first:kv_first",
+            "--pattern",
+            "runs:1,runs:4,contiguous",
+            "--ucx",
+            "UCX_TLS=tcp,cma,self",
+            "--no-confirm",
+        )
+    )
     assert (opts.geometry.num_layers, opts.geometry.num_kv_heads, opts.geometry.head_dim) == (80, 8, 128)
     assert opts.tokens == [256, 512, 1024, 4096]
     assert opts.layout_pairs == [("cross_layer", "cross_layer"), ("blocks_first", "kv_first")]
@@ -129,8 +140,22 @@ def test_verify_catches_a_single_wrong_byte() -> None:
 
 def test_tiny_real_run_writes_verified_json_and_plot(tmp_path, capsys) -> None:
     json_path, png_path = tmp_path / "out" / "bench.json", tmp_path / "out" / "bench.png"
-    argv = ["bench", "--model", "small", "--tokens", "48,256", "--reps", "2", "--warmup", "0",
-            "--no-progress", "--json", str(json_path), "--plot", str(png_path)]
+    argv = [
+        "bench",
+        "--model",
+        "small",
+        "--tokens",
+        "48,256",
+        "--reps",
+        "2",
+        "--warmup",
+        "0",
+        "--no-progress",
+        "--json",
+        str(json_path),
+        "--plot",
+        str(png_path),
+    ]
     assert main(argv) == 0
     table = capsys.readouterr().out
     assert "kv_first:kv_first" in table and "cross_layer:cross_layer" in table and "byte-exact" in table
@@ -158,9 +183,23 @@ def test_tiny_real_run_writes_verified_json_and_plot(tmp_path, capsys) -> None:
 
 def test_unconfirmed_runs_pattern_mixed_pair(tmp_path) -> None:
     json_path = tmp_path / "bench.json"
-    argv = ["bench", "--model", "small", "--tokens", "128", "--pattern", "runs:4",
-            "--layouts", "blocks_first:cross_layer,cross_layer", "--reps", "2", "--no-confirm",
-            "--no-progress", "--json", str(json_path)]
+    argv = [
+        "bench",
+        "--model",
+        "small",
+        "--tokens",
+        "128",
+        "--pattern",
+        "runs:4",
+        "--layouts",
+        "blocks_first:cross_layer,cross_layer",
+        "--reps",
+        "2",
+        "--no-confirm",
+        "--no-progress",
+        "--json",
+        str(json_path),
+    ]
     assert main(argv) == 0
     mixed, same = read_json(json_path).cases
     assert not read_json(json_path).options.confirm
@@ -173,10 +212,18 @@ def test_unconfirmed_runs_pattern_mixed_pair(tmp_path) -> None:
 
 
 def test_hetero_arguments_parse_into_options() -> None:
-    opts = bench_args.options_from_args(parse(
-        "--tp", "1:2,2:1,4", "--token-layouts", "nhd:hnd,HND", "--hetero-path", "direct,staging",
-        "--decode-block-size", "64",
-    ))
+    opts = bench_args.options_from_args(
+        parse(
+            "--tp",
+            "1:2,2:1,4",
+            "--token-layouts",
+            "nhd:hnd,HND",
+            "--hetero-path",
+            "direct,staging",
+            "--decode-block-size",
+            "64",
+        )
+    )
     assert opts.tp_pairs == [(1, 2), (2, 1), (4, 4)]
     assert opts.token_layouts == [("NHD", "HND"), ("HND", "HND")]
     assert opts.hetero_paths == ["direct", "staging"] and opts.hetero
@@ -185,21 +232,34 @@ def test_hetero_arguments_parse_into_options() -> None:
     assert (defaults.tp_pairs, defaults.token_layouts, defaults.hetero_paths) == ([(1, 1)], [("NHD", "NHD")], ["auto"])
     assert defaults.geometry.decode_block_size == 0 and not defaults.hetero
     assert bench_args.options_from_args(parse("--tp", "16:1,1:32")).tp_pairs == [(16, 1), (1, 32)]  # replication
-    with pytest.raises(ConfigError, match="--tp: prefill tp_size 3 does not divide the model's 8 KV heads; "
-                                          "decode tp_size 12 is not a multiple"):
+    with pytest.raises(
+        ConfigError,
+        match="--tp: prefill tp_size 3 does not divide the model's 8 KV heads; decode tp_size 12 is not a multiple",
+    ):
         bench_args.options_from_args(parse("--tp", "3:12"))
     assert main(["bench", "--tp", "3:1", "--no-progress"]) == 2  # reported, not raised
 
 
 def test_case_shapes_choose_ranks_paths_and_staging_from_the_request() -> None:
-    opts = BenchOptions(geometry=SMALL, tokens=[100], layout_pairs=[("cross_layer", "cross_layer")],
-                        patterns=["scattered"], tp_pairs=[(1, 1), (2, 1), (4, 1), (1, 2)],
-                        hetero_paths=["auto", "direct", "staging"])
+    opts = BenchOptions(
+        geometry=SMALL,
+        tokens=[100],
+        layout_pairs=[("cross_layer", "cross_layer")],
+        patterns=["scattered"],
+        tp_pairs=[(1, 1), (2, 1), (4, 1), (1, 2)],
+        hetero_paths=["auto", "direct", "staging"],
+    )
     keys = plan_cases(opts)
     # equal blocks: every path is the block path (one case); a forced path auto takes anyway runs once
     assert [(k.tp, k.hetero_path) for k in keys] == [
-        ((1, 1), "auto"), ((2, 1), "auto"), ((2, 1), "direct"), ((4, 1), "auto"), ((4, 1), "direct"),
-        ((1, 2), "auto"), ((1, 2), "direct")]
+        ((1, 1), "auto"),
+        ((2, 1), "auto"),
+        ((2, 1), "direct"),
+        ((4, 1), "auto"),
+        ((4, 1), "direct"),
+        ((1, 2), "auto"),
+        ((1, 2), "direct"),
+    ]
     replicated = case_shape(SMALL, keys[3], 1.25)  # 4 prefill ranks over 2 heads: two copies of each head
     assert sorted(replicated.prefill) == [0, 1, 2, 3] and replicated.sources.release_only == (1, 3)
     assert [(s.rank, s.heads, s.readers) for s in replicated.reads] == [(0, (0, 1), 1), (2, (1, 2), 1)]
@@ -214,14 +274,28 @@ def test_case_shapes_choose_ranks_paths_and_staging_from_the_request() -> None:
 
 def test_verify_tokens_catches_a_single_wrong_byte() -> None:
     """Decode rank 0 (HND, block 64) of TP 1 holds both heads; each comes from one of two NHD prefill ranks."""
+
     def spec(tp: int, rank: int, block: int, order: str, blocks: int) -> CacheSpec:
-        return CacheSpec(kind=LayoutKind.CROSS_LAYER, dtype="bfloat16", num_layers=2, num_blocks=blocks,
-                         block_size=block, num_kv_heads=2 // tp, head_dim=8, tp_size=tp, tp_rank=rank,
-                         token_layout=order, total_kv_heads=2)
+        return CacheSpec(
+            kind=LayoutKind.CROSS_LAYER,
+            dtype="bfloat16",
+            num_layers=2,
+            num_blocks=blocks,
+            block_size=block,
+            num_kv_heads=2 // tp,
+            head_dim=8,
+            tp_size=tp,
+            tp_rank=rank,
+            token_layout=order,
+            total_kv_heads=2,
+        )
 
     local = KVCache.allocate(spec(1, 0, 64, "HND", 4))
-    shape = case_shape(msgspec.structs.replace(SMALL, decode_block_size=64),
-                       CaseKey("cross_layer", "cross_layer", "scattered", 100, "nixl", (2, 1)), 1.25)
+    shape = case_shape(
+        msgspec.structs.replace(SMALL, decode_block_size=64),
+        CaseKey("cross_layer", "cross_layer", "scattered", 100, "nixl", (2, 1)),
+        1.25,
+    )
     shadows = {}
     local_ids, remote_ids = np.array([3, 0]), np.array([8, 1, 5, 0, 2, 9, 4])
     for src in shape.reads:
@@ -230,16 +304,40 @@ def test_verify_tokens_catches_a_single_wrong_byte() -> None:
         scatter(shadows[src.rank], remote_ids, local, local_ids, 100, src.heads)
     assert verify_tokens(local, local_ids, shadows, shape.reads, remote_ids, 100) == 100 * 2 * 2 * 2 * 8 * 2
     local.kv(1)[1][0, 6, 1].view(torch.uint8)[3] ^= 1  # token 70: local block 0 slot 6, layer 1, V, head 1
-    with pytest.raises(TransferError, match=r"token 70 \(local block 0 <- prefill rank 1 block 2\), layer 1 V, "
-                                            r"heads \[1,2\) \(1 of 100 tokens differ\)"):
+    with pytest.raises(
+        TransferError,
+        match=r"token 70 \(local block 0 <- prefill rank 1 block 2\), layer 1 V, "
+        r"heads \[1,2\) \(1 of 100 tokens differ\)",
+    ):
         verify_tokens(local, local_ids, shadows, shape.reads, remote_ids, 100)
 
 
 def test_tp_groups_through_the_cli_staging_and_direct(tmp_path, capsys) -> None:
     json_path, png_path = tmp_path / "hetero.json", tmp_path / "hetero.png"
-    argv = ["bench", "--model", "small", "--tokens", "100", "--tp", "2:1,1:2", "--token-layouts", "NHD:NHD,HND:HND",
-            "--layouts", "cross_layer", "--hetero-path", "staging,direct", "--reps", "2", "--warmup", "0",
-            "--no-progress", "--json", str(json_path), "--plot", str(png_path)]
+    argv = [
+        "bench",
+        "--model",
+        "small",
+        "--tokens",
+        "100",
+        "--tp",
+        "2:1,1:2",
+        "--token-layouts",
+        "NHD:NHD,HND:HND",
+        "--layouts",
+        "cross_layer",
+        "--hetero-path",
+        "staging,direct",
+        "--reps",
+        "2",
+        "--warmup",
+        "0",
+        "--no-progress",
+        "--json",
+        str(json_path),
+        "--plot",
+        str(png_path),
+    ]
     assert main(argv) == 0
     table = capsys.readouterr().out
     assert "wire MiB" in table and "use MiB" in table and "scat ms" in table and "byte-exact" in table
@@ -247,8 +345,12 @@ def test_tp_groups_through_the_cli_staging_and_direct(tmp_path, capsys) -> None:
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert report.options.tp_pairs == [(2, 1), (1, 2)]
     paths = {(c.tp, c.token_layouts, c.hetero_path): c.path for c in report.cases}  # (auto's pick: test_hetero)
-    assert paths == {(tp, order, path): path for tp in ("2:1", "1:2") for order in ("NHD:NHD", "HND:HND")
-                     for path in ("staging", "direct")}
+    assert paths == {
+        (tp, order, path): path
+        for tp in ("2:1", "1:2")
+        for order in ("NHD:NHD", "HND:HND")
+        for path in ("staging", "direct")
+    }
     block = 32 * 1024  # a 16-token block of the whole model (2 heads)
     for c in report.cases:
         heads = 2 // c.decode_tp
@@ -266,9 +368,16 @@ def test_tp_groups_through_the_cli_staging_and_direct(tmp_path, capsys) -> None:
 
 
 def test_block_size_conversion_with_forced_paths(tmp_path) -> None:
-    opts = BenchOptions(geometry=msgspec.structs.replace(SMALL, decode_block_size=64), tokens=[100],
-                        layout_pairs=[("kv_first", "blocks_first")], patterns=["runs:4"], reps=2, warmup=0,
-                        hetero_paths=["auto", "direct", "staging"], progress=False)
+    opts = BenchOptions(
+        geometry=msgspec.structs.replace(SMALL, decode_block_size=64),
+        tokens=[100],
+        layout_pairs=[("kv_first", "blocks_first")],
+        patterns=["runs:4"],
+        reps=2,
+        warmup=0,
+        hetero_paths=["auto", "direct", "staging"],
+        progress=False,
+    )
     report = bench.run_bench(opts)
     assert [(c.hetero_path, c.path) for c in report.cases] == [("auto", "direct"), ("staging", "staging")]
     for c in report.cases:
@@ -283,8 +392,15 @@ def test_every_prefill_rank_lease_ends_after_each_pull() -> None:
     for decode rank 1: the bench releases it. 2:1 - both prefill ranks hold the head: rank 0 is read (completed),
     rank 1's copy is read by nobody (released). Afterwards no rank leases a block."""
     one_head = msgspec.structs.replace(SMALL, num_kv_heads=1)
-    opts = BenchOptions(geometry=one_head, tokens=[64], layout_pairs=[("blocks_first", "cross_layer")],
-                        patterns=["scattered"], reps=1, warmup=0, tp_pairs=[(1, 2), (2, 1)])
+    opts = BenchOptions(
+        geometry=one_head,
+        tokens=[64],
+        layout_pairs=[("blocks_first", "cross_layer")],
+        patterns=["scattered"],
+        reps=1,
+        warmup=0,
+        tp_pairs=[(1, 2), (2, 1)],
+    )
     config = ConnectorConfig(engine_id="bench-decode", side_channel_host="127.0.0.1", staging_mb=1)
     group = PrefillGroup(bench.transport_env(), "cpu", msgspec.structs.replace(config, engine_id="bench-prefill"))
     ends = []

@@ -55,12 +55,15 @@ def test_the_peer_allowlist_takes_addresses_networks_and_names() -> None:
     assert is_loopback("127.0.0.1") and not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1")
 
 
-@pytest.mark.parametrize("env,field", [
-    ({"KVCONNECT_TRANSPORT": "tcp"}, "transport"),
-    ({"KVCONNECT_SIDE_CHANNEL_PORT": "abc"}, "side_channel_port"),
-    ({"KVCONNECT_LEASE_TTL_S": "soon"}, "lease_ttl_s"),
-    ({"KVCONNECT_CONFIRM_READS": "maybe"}, "confirm_reads"),
-])
+@pytest.mark.parametrize(
+    "env,field",
+    [
+        ({"KVCONNECT_TRANSPORT": "tcp"}, "transport"),
+        ({"KVCONNECT_SIDE_CHANNEL_PORT": "abc"}, "side_channel_port"),
+        ({"KVCONNECT_LEASE_TTL_S": "soon"}, "lease_ttl_s"),
+        ({"KVCONNECT_CONFIRM_READS": "maybe"}, "confirm_reads"),
+    ],
+)
 def test_a_bad_variable_is_named_with_its_value_and_what_is_allowed(env: dict[str, str], field: str) -> None:
     with pytest.raises(ConfigError) as e:
         connector_config(env)
@@ -71,25 +74,36 @@ def test_a_bad_variable_is_named_with_its_value_and_what_is_allowed(env: dict[st
 
 def kvconnect(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVCONNECT_")}
-    return subprocess.run([sys.executable, "-m", "kvconnect.cli", *args], env={**base, **(env or {})},
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "kvconnect.cli", *args],
+        env={**base, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
 
 
-@pytest.mark.parametrize("args,env,names", [
-    (["serve"], {"KVCONNECT_LAYOUT": "nonsense"}, ["KVCONNECT_LAYOUT", "'nonsense'", "cross_layer"]),
-    (["serve"], {"KVCONNECT_PORT": "abc"}, ["KVCONNECT_PORT", "'abc'", "integer"]),
-    (["serve"], {"KVCONNECT_TRANSPORT": "x"}, ["KVCONNECT_TRANSPORT", "'x'", "nixl"]),
-    (["serve", "--device", "cuda"], {}, ["device", "'cuda'", "CUDA"]),
-    (["serve", "--side-channel-host", "0.0.0.0", "--advertise-host", "10.1.1.1"], {},
-     ["KVCONNECT_SECRET", "--insecure-side-channel"]),
-    (["serve", "--peer-allowlist", "no such host!"], {}, ["peer_allowlist", "'no such host!'"]),
-    (["proxy"], {}, ["--prefill", "KVCONNECT_PREFILL_URLS"]),
-    (["proxy", "--prefill", "localhost:1", "--decode", "http://127.0.0.1:2"], {}, ["'localhost:1'", "http"]),
-    (["--log-level", "loud", "serve"], {}, ["--log-level", "LOUD"]),
-    (["serve"], {"KVCONNECT_LOG_LEVEL": "loud"}, ["KVCONNECT_LOG_LEVEL", "'loud'"]),
-])
-def test_bad_settings_exit_2_with_one_line_naming_them(args: list[str], env: dict[str, str],
-                                                       names: list[str]) -> None:
+@pytest.mark.parametrize(
+    "args,env,names",
+    [
+        (["serve"], {"KVCONNECT_LAYOUT": "nonsense"}, ["KVCONNECT_LAYOUT", "'nonsense'", "cross_layer"]),
+        (["serve"], {"KVCONNECT_PORT": "abc"}, ["KVCONNECT_PORT", "'abc'", "integer"]),
+        (["serve"], {"KVCONNECT_TRANSPORT": "x"}, ["KVCONNECT_TRANSPORT", "'x'", "nixl"]),
+        (["serve", "--device", "cuda"], {}, ["device", "'cuda'", "CUDA"]),
+        (
+            ["serve", "--side-channel-host", "0.0.0.0", "--advertise-host", "10.1.1.1"],
+            {},
+            ["KVCONNECT_SECRET", "--insecure-side-channel"],
+        ),
+        (["serve", "--peer-allowlist", "no such host!"], {}, ["peer_allowlist", "'no such host!'"]),
+        (["proxy"], {}, ["--prefill", "KVCONNECT_PREFILL_URLS"]),
+        (["proxy", "--prefill", "localhost:1", "--decode", "http://127.0.0.1:2"], {}, ["'localhost:1'", "http"]),
+        (["--log-level", "loud", "serve"], {}, ["--log-level", "LOUD"]),
+        (["serve"], {"KVCONNECT_LOG_LEVEL": "loud"}, ["KVCONNECT_LOG_LEVEL", "'loud'"]),
+    ],
+)
+def test_bad_settings_exit_2_with_one_line_naming_them(args: list[str], env: dict[str, str], names: list[str]) -> None:
     done = kvconnect(*args, env=env)
     assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
     lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
@@ -102,14 +116,27 @@ def test_the_help_is_written_for_users() -> None:
     assert done.returncode == 0
     assert done.stdout.splitlines()[2].startswith("kvconnect moves a prompt's KV cache"), done.stdout[:300]
     serve = kvconnect("serve", "--help").stdout
-    for flag in ("--secret-file", "--transport", "--hetero-path", "--staging-mb", "--peer-allowlist",
-                 "--insecure-side-channel"):
+    for flag in (
+        "--secret-file",
+        "--transport",
+        "--hetero-path",
+        "--staging-mb",
+        "--peer-allowlist",
+        "--insecure-side-channel",
+    ):
         assert flag in serve, flag
 
 
 def test_a_connector_without_read_confirmation_warns_that_it_is_not_fail_closed(caplog) -> None:
-    spec = CacheSpec(kind=LayoutKind.BLOCKS_FIRST, dtype="float16", num_layers=1, num_blocks=4, block_size=4,
-                     num_kv_heads=1, head_dim=8)
+    spec = CacheSpec(
+        kind=LayoutKind.BLOCKS_FIRST,
+        dtype="float16",
+        num_layers=1,
+        num_blocks=4,
+        block_size=4,
+        num_kv_heads=1,
+        head_dim=8,
+    )
     with caplog.at_level(logging.WARNING):
         with KVConnector(KVCache.allocate(spec), connector_config({}, confirm_reads=False)):
             pass
@@ -135,8 +162,15 @@ def loop_cpus_of_a_connector_made_on(cpus: set[int], **config: str) -> set[int]:
 
     def make() -> None:
         os.sched_setaffinity(0, cpus)
-        spec = CacheSpec(kind=LayoutKind.CROSS_LAYER, num_blocks=2, dtype="float16", num_layers=1, block_size=16,
-                         num_kv_heads=1, head_dim=16)
+        spec = CacheSpec(
+            kind=LayoutKind.CROSS_LAYER,
+            num_blocks=2,
+            dtype="float16",
+            num_layers=1,
+            block_size=16,
+            num_kv_heads=1,
+            head_dim=16,
+        )
         with KVConnector(KVCache.allocate(spec), connector_config({}, **config)) as conn:
             conn.wait_idle()  # (the loop has placed itself)
             native_id = conn._thread.native_id
@@ -178,9 +212,12 @@ def test_the_secret_never_shows_in_a_repr_an_error_or_vllms_start_up_line(caplog
     from kvconnect.vllm.settings import read_settings
 
     vllm_config = SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(kv_connector_extra_config={"secret": "hunter2-secret"}, engine_id="e",
-                                           kv_role="kv_producer"),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1), cache_config=SimpleNamespace(block_size=16))
+        kv_transfer_config=SimpleNamespace(
+            kv_connector_extra_config={"secret": "hunter2-secret"}, engine_id="e", kv_role="kv_producer"
+        ),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        cache_config=SimpleNamespace(block_size=16),
+    )
     with caplog.at_level(logging.WARNING, logger="kvconnect.vllm.settings"):
         read_settings(vllm_config)
     assert any("secret_file" in r.getMessage() for r in caplog.records)

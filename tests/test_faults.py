@@ -42,11 +42,14 @@ RELEASES = "kvconnect_proxy_lease_releases_total"
 def fault_cluster(log_dir: str) -> Cluster:
     decode_flags = ["--pull-timeout-s", str(PULL_TIMEOUT_S), "--handshake-timeout-s", "2"]
     return Cluster(
-        "blocks_first", "blocks_first",
+        "blocks_first",
+        "blocks_first",
         decodes=("decode", "decode-r"),
-        extra_args={"prefill": ["--lease-ttl-s", str(TTL_S)],
-                    "decode": ["--failure-policy", "fail", *decode_flags],
-                    "decode-r": ["--failure-policy", "recompute", *decode_flags]},
+        extra_args={
+            "prefill": ["--lease-ttl-s", str(TTL_S)],
+            "decode": ["--failure-policy", "fail", *decode_flags],
+            "decode-r": ["--failure-policy", "recompute", *decode_flags],
+        },
         extra_env={"prefill": {"UCX_TLS": "tcp", "KVCONNECT_FAULT_INJECTION": "1"}},
         log_dir=log_dir,
     )
@@ -91,8 +94,9 @@ def warm(cluster: Cluster, expected: list[int]) -> None:
 def legs_in_parallel(cluster: Cluster, calls: list[tuple[str, dict, str]]) -> list[dict]:
     """Decode legs [(worker name, params, request id)] at once, PROMPT each."""
     with cf.ThreadPoolExecutor(len(calls)) as pool:
-        futures = [pool.submit(decode_leg, cluster.urls[name], PROMPT, params, MAX_TOKENS, rid)
-                   for name, params, rid in calls]
+        futures = [
+            pool.submit(decode_leg, cluster.urls[name], PROMPT, params, MAX_TOKENS, rid) for name, params, rid in calls
+        ]
         return [f.result() for f in futures]
 
 
@@ -118,16 +122,17 @@ def test_prefill_killed_mid_pull_fails_clearly_or_recomputes_and_restart_serves(
     with cf.ThreadPoolExecutor(2) as pool:
         fa = pool.submit(decode_leg, cluster.urls["decode"], PROMPT, a, MAX_TOKENS, "kill-a")
         fb = pool.submit(decode_leg, cluster.urls["decode-r"], PROMPT, b, MAX_TOKENS, "kill-b")
-        poll_until(lambda: all(health(cluster.urls[n])["loading"] == 1 for n in ("decode", "decode-r")),
-                   what="both pulls in flight")
+        poll_until(
+            lambda: all(health(cluster.urls[n])["loading"] == 1 for n in ("decode", "decode-r")),
+            what="both pulls in flight",
+        )
         cluster.kill("prefill")
         ra, rb = fa.result(), fb.result()
     # a dead peer is noticed at once, well before the pull deadline, and named
     assert ra["status"] == 502 and "PeerGoneError" in ra["error"] and "disconnected" in ra["error"], ra
     assert ra["elapsed_s"] < PULL_TIMEOUT_S  # (else the deadline would have ended it, as TransferTimeoutError)
     assert rb["status"] == 200 and rb["token_ids"] == expected  # recomputed, same tokens
-    poll_until(lambda: idle(cluster.urls["decode"]) and idle(cluster.urls["decode-r"]),
-               what="decode blocks freed")
+    poll_until(lambda: idle(cluster.urls["decode"]) and idle(cluster.urls["decode-r"]), what="decode blocks freed")
     assert metric(cluster.urls["decode"], FAILED, reason="PeerGoneError") >= 1
     assert metric(cluster.urls["decode-r"], FAILED, reason="PeerGoneError") >= 1
     assert metric(cluster.urls["decode-r"], "kvconnect_recomputed_prefills_total") >= 1
@@ -174,8 +179,10 @@ def test_hung_prefill_hits_the_deadline_and_quarantines_until_the_read_ends(own_
         cluster.signal("prefill", signal.SIGCONT)
     poll_until(lambda: all_idle(cluster), what="READs ended, leases ended, every block back")
     assert metric(cluster.urls["decode"], "kvconnect_abandoned_reads") == 0
-    ended = sum(metric(cluster.urls["prefill"], "kvconnect_leases_ended", outcome=o)
-                for o in ("released", "expired", "completed"))
+    ended = sum(
+        metric(cluster.urls["prefill"], "kvconnect_leases_ended", outcome=o)
+        for o in ("released", "expired", "completed")
+    )
     assert ended >= 2
     assert complete(cluster.urls["proxy"], PROMPT, MAX_TOKENS)["token_ids"] == expected
 
@@ -191,8 +198,7 @@ def test_unread_lease_expires_after_its_ttl(cluster: Cluster) -> None:
     assert metric(cluster.urls["prefill"], "kvconnect_leases_ended", outcome="expired") == expired + 1
 
 
-def test_client_abort_makes_the_proxy_release_the_lease_at_once(cluster: Cluster,
-                                                                expected: list[int]) -> None:
+def test_client_abort_makes_the_proxy_release_the_lease_at_once(cluster: Cluster, expected: list[int]) -> None:
     """(3): decode workers hung, client gives up: the proxy frees the prefill lease without waiting for the
     TTL; when the decode workers wake, the stale leg fails closed (or recomputes) and leaves nothing."""
     urls = cluster.urls
@@ -205,8 +211,7 @@ def test_client_abort_makes_the_proxy_release_the_lease_at_once(cluster: Cluster
         sock = open_request(urls["proxy"], "/v1/completions", body, "abandoned-1")
         poll_until(lambda: health(urls["prefill"])["leased_blocks"] > 0, what="prefill leg done, lease held")
         sock.close()
-        poll_until(lambda: health(urls["prefill"])["leased_blocks"] == 0, timeout_s=TTL_S,
-                   what="lease released")
+        poll_until(lambda: health(urls["prefill"])["leased_blocks"] == 0, timeout_s=TTL_S, what="lease released")
         # released by the proxy, not expired by the TTL
         assert metric(urls["prefill"], "kvconnect_leases_ended", outcome="released") == released + 1
         assert metric(urls["proxy"], "kvconnect_proxy_requests_total", outcome="client_aborted") >= 1
@@ -229,13 +234,17 @@ def test_client_gone_during_the_prefill_leg_gets_the_lease_released(cluster: Clu
     try:
         body = json.dumps({"prompt": PROMPT, "max_tokens": MAX_TOKENS}).encode()
         sock = open_request(urls["proxy"], "/v1/completions", body, "gone-early")
-        poll_until(lambda: metric(urls["proxy"], "kvconnect_proxy_legs_in_flight", leg="prefill") == 1,
-                   what="prefill leg under way")
+        poll_until(
+            lambda: metric(urls["proxy"], "kvconnect_proxy_legs_in_flight", leg="prefill") == 1,
+            what="prefill leg under way",
+        )
         sock.close()
     finally:
         cluster.signal("prefill", signal.SIGCONT)
-    poll_until(lambda: metric(urls["proxy"], RELEASES, reason="client_aborted", state="released")
-               == by_proxy + 1, what="the proxy released the lease")
+    poll_until(
+        lambda: metric(urls["proxy"], RELEASES, reason="client_aborted", state="released") == by_proxy + 1,
+        what="the proxy released the lease",
+    )
     poll_until(lambda: idle(urls["prefill"]), timeout_s=TTL_S / 2, what="prefill blocks back")
     assert metric(urls["prefill"], "kvconnect_leases_ended", outcome="released") == released + 1
     assert {n: requests_finished(urls[n]) for n in ("decode", "decode-r")} == decode_requests  # no decode leg
@@ -260,8 +269,10 @@ def test_a_body_only_the_decode_refuses_has_the_proxy_release_the_lease(cluster:
     by_proxy = metric(urls["proxy"], RELEASES, reason="decode_refused", state="released")
     r = httpx.post(urls["proxy"] + "/v1/completions", json={"prompt": PROMPT, **patch}, timeout=60)
     assert r.status_code >= 400, r.text
-    poll_until(lambda: metric(urls["proxy"], RELEASES, reason="decode_refused", state="released") == by_proxy + 1,
-               what="the proxy released the refused request's lease")
+    poll_until(
+        lambda: metric(urls["proxy"], RELEASES, reason="decode_refused", state="released") == by_proxy + 1,
+        what="the proxy released the refused request's lease",
+    )
     poll_until(lambda: idle(urls["prefill"]), timeout_s=TTL_S / 2, what="prefill blocks back")
     assert metric(urls["prefill"], "kvconnect_leases_ended", outcome="released") == released + 1
 
@@ -271,8 +282,9 @@ def test_lease_expired_before_the_pull_fails_closed(cluster: Cluster, expected: 
     urls = cluster.urls
     a = prefill_leg(urls["prefill"], PROMPT, "fc-before-a")
     b = prefill_leg(urls["prefill"], PROMPT, "fc-before-b")
-    r = httpx_post(urls["prefill"] + "/admin/leases/expire",
-                   {"request_ids": ["fc-before-a", "fc-before-b"], "poison": True})
+    r = httpx_post(
+        urls["prefill"] + "/admin/leases/expire", {"request_ids": ["fc-before-a", "fc-before-b"], "poison": True}
+    )
     assert r == {"expired": {"fc-before-a": "expired", "fc-before-b": "expired"}}
     lost = metric(urls["decode"], FAILED, reason="LeaseLostError")
     ra, rb = legs_in_parallel(cluster, [("decode", a, "fc-before-a"), ("decode-r", b, "fc-before-b")])
@@ -389,9 +401,15 @@ def test_pull_waiting_on_a_peer_that_moved_fails_instead_of_hanging() -> None:
             s.bind(("127.0.0.1", 0))
             dead_port = s.getsockname()[1]  # the old incarnation's address: nobody answers there now
         with decoder(LayoutKind.BLOCKS_FIRST, handshake_timeout_s=30) as dec:
-            stale = KVTransferParams(do_remote_prefill=True, remote_engine_id="moving", remote_block_ids=[1],
-                                     remote_host="127.0.0.1", remote_port=dead_port, remote_request_id="old",
-                                     remote_lease_id="lease-old")
+            stale = KVTransferParams(
+                do_remote_prefill=True,
+                remote_engine_id="moving",
+                remote_block_ids=[1],
+                remote_host="127.0.0.1",
+                remote_port=dead_port,
+                remote_request_id="old",
+                remote_lease_id="lease-old",
+            )
             waiting = dec.pull(stale, [0])
             dec.wait_idle()  # its handshake is under way
             dec.pull(pre.lease("new", [2]), [1]).wait(20)  # the same engine, at its new address

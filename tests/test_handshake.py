@@ -16,8 +16,9 @@ from kvconnect.core.errors import AuthError, HandshakeError, HandshakeTimeoutErr
 from kvconnect.core.handshake import PeerChannel, SideChannelServer, now_ms, request, zmq_address
 from kvconnect.core.layout import CacheSpec, LayoutKind
 
-SPEC = CacheSpec(kind=LayoutKind.BLOCKS_FIRST, dtype="float16", num_layers=2, num_blocks=8, block_size=16,
-                 num_kv_heads=1, head_dim=8)
+SPEC = CacheSpec(
+    kind=LayoutKind.BLOCKS_FIRST, dtype="float16", num_layers=2, num_blocks=8, block_size=16, num_kv_heads=1, head_dim=8
+)
 INFO = p.PeerInfo(p.PROTOCOL_VERSION, "srv", "inc-1", "agent", b"metadata", SPEC, [4096, 8192])
 
 
@@ -87,8 +88,9 @@ def test_wrong_or_missing_secret_gets_nothing(ctx) -> None:
 def test_replayed_request_is_refused(ctx) -> None:
     s = Running(b"k")
     try:
-        signed = p.sign_request(b"k", msgspec.structs.replace(hello(), nonce=os.urandom(16),
-                                                               ts_ms=int(time.time() * 1000)))
+        signed = p.sign_request(
+            b"k", msgspec.structs.replace(hello(), nonce=os.urandom(16), ts_ms=int(time.time() * 1000))
+        )
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(zmq_address("127.0.0.1", s.port))
@@ -163,8 +165,11 @@ def test_peer_channel_correlates_replies(ctx, server) -> None:
     ch.close()
     assert isinstance(got["hello"], p.PeerInfo)
     for ref in ("lease:r9:1", "lease:r9:2"):  # each reply answers its own message, not merely its request id
-        assert isinstance(got[ref], p.LeaseReply) and got[ref].state is p.LeaseState.COMPLETED and \
-            got[ref].seq == int(ref[-1])
+        assert (
+            isinstance(got[ref], p.LeaseReply)
+            and got[ref].state is p.LeaseState.COMPLETED
+            and got[ref].seq == int(ref[-1])
+        )
 
 
 def test_reply_signed_with_another_secret_is_rejected(ctx) -> None:
@@ -177,8 +182,14 @@ def test_reply_signed_with_another_secret_is_rejected(ctx) -> None:
 
 
 def _signed_hello(secret: bytes, ts_ms: int | None = None) -> p.Hello:
-    return p.sign_request(secret, msgspec.structs.replace(hello(), nonce=os.urandom(16),  # type: ignore[return-value]
-                                                          ts_ms=int(time.time() * 1000) if ts_ms is None else ts_ms))
+    return p.sign_request(
+        secret,
+        msgspec.structs.replace(
+            hello(),
+            nonce=os.urandom(16),  # type: ignore[return-value]
+            ts_ms=int(time.time() * 1000) if ts_ms is None else ts_ms,
+        ),
+    )
 
 
 def _answer(server: SideChannelServer, msg: p.Hello | p.LeaseRequest) -> p.Reply:

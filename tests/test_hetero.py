@@ -30,9 +30,19 @@ LAYERS, HEAD_DIM = 2, 4
 
 
 def rank_spec(kind, tp, rank, model_heads, block, layout, num_blocks, dtype="float16") -> CacheSpec:
-    return CacheSpec(kind=kind, dtype=dtype, num_layers=LAYERS, num_blocks=num_blocks, block_size=block,
-                     num_kv_heads=max(model_heads // tp, 1), head_dim=HEAD_DIM, tp_size=tp, tp_rank=rank,
-                     token_layout=layout, total_kv_heads=model_heads)
+    return CacheSpec(
+        kind=kind,
+        dtype=dtype,
+        num_layers=LAYERS,
+        num_blocks=num_blocks,
+        block_size=block,
+        num_kv_heads=max(model_heads // tp, 1),
+        head_dim=HEAD_DIM,
+        tp_size=tp,
+        tp_rank=rank,
+        token_layout=layout,
+        total_kv_heads=model_heads,
+    )
 
 
 def fill_from_reference(cache: KVCache, ref: torch.Tensor, ids: list[int], num_tokens: int) -> None:
@@ -54,8 +64,9 @@ def memcpy_plan(pair: PairPlan, dst: KVCache, src: KVCache, dst_ids, src_ids, nu
     return plan
 
 
-def run_pair(tp_p, tp_d, model_heads, kinds_p, kinds_d, bs_p, bs_d, lay_p, lay_d, num_tokens, seed,
-             path="auto", dtype="float16"):
+def run_pair(
+    tp_p, tp_d, model_heads, kinds_p, kinds_d, bs_p, bs_d, lay_p, lay_d, num_tokens, seed, path="auto", dtype="float16"
+):
     """Execute every decode rank's plans; return the number of distinct paths used."""
     gen = torch.Generator().manual_seed(seed)
     ref = torch.randn(num_tokens, LAYERS, 2, model_heads, HEAD_DIM, generator=gen).to(torch.float16)
@@ -67,8 +78,9 @@ def run_pair(tp_p, tp_d, model_heads, kinds_p, kinds_d, bs_p, bs_d, lay_p, lay_d
     d_ids = rng.permutation(nb_d + 3)[:nb_d].tolist()
     prefill = []
     for r in range(tp_p):
-        cache = KVCache.allocate(rank_spec(kinds_p[r % len(kinds_p)], tp_p, r, model_heads, bs_p, lay_p, nb_p + 3,
-                                           dtype))
+        cache = KVCache.allocate(
+            rank_spec(kinds_p[r % len(kinds_p)], tp_p, r, model_heads, bs_p, lay_p, nb_p + 3, dtype)
+        )
         fill_from_reference(cache, ref, p_ids, num_tokens)
         prefill.append(cache)
     read_by: dict[int, list[int]] = {}
@@ -97,8 +109,9 @@ def run_pair(tp_p, tp_d, model_heads, kinds_p, kinds_d, bs_p, bs_d, lay_p, lay_d
         for layer in range(LAYERS):
             for kv, view in enumerate(dst.kv(layer)):
                 got = view[d_ids].reshape(nb_d * bs_d, hi - lo, HEAD_DIM)[:num_tokens]
-                assert torch.equal(got.view(torch.uint8), ref[:, layer, kv, lo:hi].contiguous().view(torch.uint8)), \
+                assert torch.equal(got.view(torch.uint8), ref[:, layer, kv, lo:hi].contiguous().view(torch.uint8)), (
                     f"decode rank {d} layer {layer} kv {kv}"
+                )
                 spare = [b for b in range(nb_d + 3) if b not in d_ids]
                 assert not view[spare].view(torch.uint8).any(), "a block outside the request was written"
     # every prefill rank is read, or released by exactly one decode rank; reader counts agree
@@ -119,32 +132,47 @@ def run_pair(tp_p, tp_d, model_heads, kinds_p, kinds_d, bs_p, bs_d, lay_p, lay_d
 def test_tp_block_and_token_layout_pairs(tp_p, tp_d, replicated, bs_p, bs_d, lay_p, lay_d) -> None:
     model_heads = 2 if replicated else 4  # with 4 ranks on a side, 2 heads means each head on 2 ranks
     shift = TP_PAIRS.index((tp_p, tp_d))
-    kinds_p, kinds_d = KINDS[shift % 3:] + KINDS[:shift % 3], KINDS[::-1]  # every kind on both sides
+    kinds_p, kinds_d = KINDS[shift % 3 :] + KINDS[: shift % 3], KINDS[::-1]  # every kind on both sides
     run_pair(tp_p, tp_d, model_heads, kinds_p, kinds_d, bs_p, bs_d, lay_p, lay_d, num_tokens=100, seed=shift)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from(TP_PAIRS + [(1, 1), (2, 2)]), st.sampled_from([1, 2, 4, 8]),
-       st.lists(st.sampled_from(KINDS), min_size=1, max_size=4), st.lists(st.sampled_from(KINDS), min_size=1,
-                                                                           max_size=4),
-       st.sampled_from([(16, 64), (64, 16), (4, 16), (16, 16), (8, 4), (4, 6)]),
-       st.sampled_from(["NHD", "HND"]), st.sampled_from(["NHD", "HND"]), st.integers(1, 150),
-       st.sampled_from(["auto", "direct", "staging"]), st.sampled_from(["float16", "float32", "uint8"]))
-def test_any_pair_assembles_the_reference(tps, heads, kinds_p, kinds_d, blocks, lay_p, lay_d, n, path,
-                                          dtype) -> None:
+@given(
+    st.sampled_from(TP_PAIRS + [(1, 1), (2, 2)]),
+    st.sampled_from([1, 2, 4, 8]),
+    st.lists(st.sampled_from(KINDS), min_size=1, max_size=4),
+    st.lists(st.sampled_from(KINDS), min_size=1, max_size=4),
+    st.sampled_from([(16, 64), (64, 16), (4, 16), (16, 16), (8, 4), (4, 6)]),
+    st.sampled_from(["NHD", "HND"]),
+    st.sampled_from(["NHD", "HND"]),
+    st.integers(1, 150),
+    st.sampled_from(["auto", "direct", "staging"]),
+    st.sampled_from(["float16", "float32", "uint8"]),
+)
+def test_any_pair_assembles_the_reference(tps, heads, kinds_p, kinds_d, blocks, lay_p, lay_d, n, path, dtype) -> None:
     tp_p, tp_d = tps
-    run_pair(tp_p, tp_d, heads, kinds_p, kinds_d, blocks[0], blocks[1], lay_p, lay_d, n, seed=n, path=path,
-             dtype=dtype)
+    run_pair(tp_p, tp_d, heads, kinds_p, kinds_d, blocks[0], blocks[1], lay_p, lay_d, n, seed=n, path=path, dtype=dtype)
 
 
 def test_path_choice_follows_the_cost_model() -> None:
     """Llama-3-8B shapes. On DRAM the scatter is the slow part, so contiguous pieces go direct; on a GPU the
     per-descriptor cost dominates, so 16 KiB HND head slices stage (measured: ~16x faster, results/gpu)."""
+
     def choose(lay_p, lay_d, bs_p, bs_d, tp_p=1, tp_d=2, device="cpu", path="auto", staging=256):
         def spec8b(tp, layout, bs):
-            return CacheSpec(kind=LayoutKind.CROSS_LAYER, dtype="bfloat16", num_layers=32, num_blocks=512,
-                             block_size=bs, num_kv_heads=8 // tp, head_dim=128, tp_size=tp, token_layout=layout,
-                             device=device)
+            return CacheSpec(
+                kind=LayoutKind.CROSS_LAYER,
+                dtype="bfloat16",
+                num_layers=32,
+                num_blocks=512,
+                block_size=bs,
+                num_kv_heads=8 // tp,
+                head_dim=128,
+                tp_size=tp,
+                token_layout=layout,
+                device=device,
+            )
+
         local, remote = spec8b(tp_d, lay_d, bs_d), spec8b(tp_p, lay_p, bs_p)
         return plan_source(local, remote, plan_sources(local, tp_p).reads[0], path, staging_blocks=staging)
 
@@ -168,8 +196,15 @@ def test_refusals_name_the_reason() -> None:
     local = rank_spec(LayoutKind.CROSS_LAYER, 2, 0, 4, 16, "NHD", 8)
     with pytest.raises(LayoutMismatchError, match="tp_size 3 does not divide"):
         plan_sources(local, 3)
-    other_model = CacheSpec(kind=LayoutKind.CROSS_LAYER, dtype="float16", num_layers=LAYERS + 1, num_blocks=8,
-                            block_size=16, num_kv_heads=4, head_dim=HEAD_DIM)
+    other_model = CacheSpec(
+        kind=LayoutKind.CROSS_LAYER,
+        dtype="float16",
+        num_layers=LAYERS + 1,
+        num_blocks=8,
+        block_size=16,
+        num_kv_heads=4,
+        head_dim=HEAD_DIM,
+    )
     with pytest.raises(LayoutMismatchError, match="num_layers"):
         plan_source(local, other_model, plan_sources(local, 1).reads[0])
     remote = rank_spec(LayoutKind.CROSS_LAYER, 1, 0, 4, 16, "HND", 8)
@@ -179,8 +214,17 @@ def test_refusals_name_the_reason() -> None:
     with pytest.raises(LayoutMismatchError, match="holds heads"):
         plan_source(local, wrong_rank, plan_sources(local, 2).reads[0])
     with pytest.raises(Exception, match="num_kv_heads 3"):
-        CacheSpec(kind=LayoutKind.CROSS_LAYER, dtype="float16", num_layers=1, num_blocks=1, block_size=1,
-                  num_kv_heads=3, head_dim=1, tp_size=2, total_kv_heads=4)
+        CacheSpec(
+            kind=LayoutKind.CROSS_LAYER,
+            dtype="float16",
+            num_layers=1,
+            num_blocks=1,
+            block_size=1,
+            num_kv_heads=3,
+            head_dim=1,
+            tp_size=2,
+            total_kv_heads=4,
+        )
 
 
 def test_token_counts_are_checked() -> None:

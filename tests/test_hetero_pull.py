@@ -25,23 +25,47 @@ from tests.faultkit import poll_until
 LAYERS, HEAD_DIM, TOKENS, SEED = 3, 8, 150, 11
 
 
-def spec(kind: LayoutKind, tp: int, rank: int, heads: int, block: int, layout: str, blocks: int,
-         device: str = "cpu") -> CacheSpec:
-    return CacheSpec(kind=kind, dtype="bfloat16", num_layers=LAYERS, num_blocks=blocks, block_size=block,
-                     num_kv_heads=max(heads // tp, 1), head_dim=HEAD_DIM, tp_size=tp, tp_rank=rank,
-                     token_layout=layout, total_kv_heads=heads, device=device.split(":")[0])
+def spec(
+    kind: LayoutKind, tp: int, rank: int, heads: int, block: int, layout: str, blocks: int, device: str = "cpu"
+) -> CacheSpec:
+    return CacheSpec(
+        kind=kind,
+        dtype="bfloat16",
+        num_layers=LAYERS,
+        num_blocks=blocks,
+        block_size=block,
+        num_kv_heads=max(heads // tp, 1),
+        head_dim=HEAD_DIM,
+        tp_size=tp,
+        tp_rank=rank,
+        token_layout=layout,
+        total_kv_heads=heads,
+        device=device.split(":")[0],
+    )
 
 
 CASES = {
     # name: (model heads, prefill (tp, kind, block, layout), decode (tp, kind, block, layout), path)
     # (which path `auto` takes depends on the device's cost model, tested in test_hetero.py; here the
     # direct cases force it so both paths run across processes on every device)
-    "2to1_nhd16_to_hnd64_staging": (4, (2, LayoutKind.CROSS_LAYER, 16, "NHD"),
-                                    (1, LayoutKind.BLOCKS_FIRST, 64, "HND"), "staging"),
-    "1to2_hnd_direct_two_readers": (4, (1, LayoutKind.KV_FIRST, 16, "HND"),
-                                    (2, LayoutKind.CROSS_LAYER, 16, "HND"), "direct"),
-    "2to1_replicated_head": (1, (2, LayoutKind.BLOCKS_FIRST, 64, "NHD"),
-                             (1, LayoutKind.CROSS_LAYER, 16, "NHD"), "direct"),
+    "2to1_nhd16_to_hnd64_staging": (
+        4,
+        (2, LayoutKind.CROSS_LAYER, 16, "NHD"),
+        (1, LayoutKind.BLOCKS_FIRST, 64, "HND"),
+        "staging",
+    ),
+    "1to2_hnd_direct_two_readers": (
+        4,
+        (1, LayoutKind.KV_FIRST, 16, "HND"),
+        (2, LayoutKind.CROSS_LAYER, 16, "HND"),
+        "direct",
+    ),
+    "2to1_replicated_head": (
+        1,
+        (2, LayoutKind.BLOCKS_FIRST, 64, "NHD"),
+        (1, LayoutKind.CROSS_LAYER, 16, "NHD"),
+        "direct",
+    ),
 }
 
 
@@ -62,17 +86,26 @@ def run_group(case: str, device_of: Callable[[str, int], str]) -> list[dict]:
         prefill = []
         for r in range(tp_p):
             dev = device_of("prefill", r)
-            proc = PrefillProcess.start(spec(kind_p, tp_p, r, heads, bs_p, lay_p, nb_p + 4, dev), device=dev,
-                                     side_channel_port=base + r, engine_id="pfx", staging_mb=1)
+            proc = PrefillProcess.start(
+                spec(kind_p, tp_p, r, heads, bs_p, lay_p, nb_p + 4, dev),
+                device=dev,
+                side_channel_port=base + r,
+                engine_id="pfx",
+                staging_mb=1,
+            )
             stack.callback(proc.stop)
             proc.ask("fill_ref", SEED, TOKENS, p_ids)
             prefill.append(proc)
         decode = []
         for d in range(tp_d):
             dev = device_of("decode", d)
-            proc = PrefillProcess.start(spec(kind_d, tp_d, d, heads, bs_d, lay_d, nb_d + 4, dev), device=dev,
-                                     engine_id=f"dec{d}", staging_mb=1,
-                                     hetero_path="auto" if path == "staging" else path)
+            proc = PrefillProcess.start(
+                spec(kind_d, tp_d, d, heads, bs_d, lay_d, nb_d + 4, dev),
+                device=dev,
+                engine_id=f"dec{d}",
+                staging_mb=1,
+                hetero_path="auto" if path == "staging" else path,
+            )
             stack.callback(proc.stop)
             decode.append(proc)
         lease_id = new_lease_id()  # one id for the prefill's TP group
@@ -102,13 +135,22 @@ def test_tp_size_that_cannot_split_the_heads_is_refused_naming_it() -> None:
     with ExitStack() as stack:
         proc = PrefillProcess.start(spec(LayoutKind.CROSS_LAYER, 1, 0, 4, 16, "NHD", 8), engine_id="dec")
         stack.callback(proc.stop)
-        params = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_block_ids": [1],
-                  "remote_host": "127.0.0.1", "remote_port": 5999, "remote_request_id": "x",
-                  "remote_lease_id": "lease-x", "tp_size": 3}
+        params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": "p",
+            "remote_block_ids": [1],
+            "remote_host": "127.0.0.1",
+            "remote_port": 5999,
+            "remote_request_id": "x",
+            "remote_lease_id": "lease-x",
+            "tp_size": 3,
+        }
         answer = proc.ask("pull", msgspec.json.encode(params), [0], timeout_s=30)
         assert answer[:2] == ("failed", "InvalidRequestError")
-        assert "kv_transfer_params.tp_size" in answer[2] and "tp_size 3 does not divide the model's 4 KV heads" in \
-            answer[2]
+        assert (
+            "kv_transfer_params.tp_size" in answer[2]
+            and "tp_size 3 does not divide the model's 4 KV heads" in answer[2]
+        )
 
 
 def test_pull_paths_reach_the_metrics() -> None:
@@ -131,8 +173,10 @@ def test_pair_needing_staging_is_refused_at_handshake_when_staging_is_off() -> N
     with ExitStack() as stack:
         pre = PrefillProcess.start(spec(LayoutKind.CROSS_LAYER, 1, 0, 4, 16, "NHD", 8))
         stack.callback(pre.stop)
-        dec = KVConnector(KVCache.allocate(spec(LayoutKind.CROSS_LAYER, 1, 0, 4, 16, "HND", 8)),
-                          connector_config({}, side_channel_host="127.0.0.1", staging_mb=0))
+        dec = KVConnector(
+            KVCache.allocate(spec(LayoutKind.CROSS_LAYER, 1, 0, 4, 16, "HND", 8)),
+            connector_config({}, side_channel_host="127.0.0.1", staging_mb=0),
+        )
         stack.callback(dec.close)
         params = pre.lease("r", [1, 2])
         with pytest.raises(LayoutMismatchError, match=r"NHD->HND needs the staging path .* staging is disabled"):

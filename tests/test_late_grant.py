@@ -17,8 +17,15 @@ from kvconnect.core.lease import new_lease_id
 from kvconnect.testing.prefill import PrefillProcess
 from tests.faultkit import poll_until
 
-SPEC = CacheSpec(kind=LayoutKind.CROSS_LAYER, num_blocks=24, dtype="float16", num_layers=2, block_size=16,
-                 num_kv_heads=2, head_dim=32)
+SPEC = CacheSpec(
+    kind=LayoutKind.CROSS_LAYER,
+    num_blocks=24,
+    dtype="float16",
+    num_layers=2,
+    block_size=16,
+    num_kv_heads=2,
+    head_dim=32,
+)
 
 
 def rid() -> str:
@@ -37,13 +44,16 @@ def not_granted_yet(pre: PrefillProcess, request_id: str, block_ids: list[int]):
     warm = rid()
     params = pre.lease(warm, [23])
     pre.release(warm)
-    return msgspec.structs.replace(params, remote_request_id=request_id, remote_block_ids=block_ids,
-                                   remote_lease_id=new_lease_id())
+    return msgspec.structs.replace(
+        params, remote_request_id=request_id, remote_block_ids=block_ids, remote_lease_id=new_lease_id()
+    )
 
 
 def decoder(**config) -> KVConnector:
-    return KVConnector(KVCache.allocate(msgspec.structs.replace(SPEC, num_blocks=8)),
-                       connector_config({}, side_channel_host="127.0.0.1", **config))
+    return KVConnector(
+        KVCache.allocate(msgspec.structs.replace(SPEC, num_blocks=8)),
+        connector_config({}, side_channel_host="127.0.0.1", **config),
+    )
 
 
 @pytest.mark.parametrize("pin_reads", [True, False], ids=["pin", "confirm"])

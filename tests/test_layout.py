@@ -61,8 +61,9 @@ def execute(pair: PairPlan, dst: KVCache, src: KVCache, local_ids, remote_ids):
     ldesc, rdesc = pair.local_descs(dst.base_addrs(), 0), pair.remote_descs(src.base_addrs(), 0)
     lreg = region_of(pair.local_units, pair.local_spec.num_blocks)
     rreg = region_of(pair.remote_units, pair.remote_spec.num_blocks)
-    d, s = merge_runs(ldesc[plan.local_indices], rdesc[plan.remote_indices],
-                      lreg[plan.local_indices], rreg[plan.remote_indices])
+    d, s = merge_runs(
+        ldesc[plan.local_indices], rdesc[plan.remote_indices], lreg[plan.local_indices], rreg[plan.remote_indices]
+    )
     for (daddr, length, _), (saddr, _, _) in zip(d, s, strict=True):
         ctypes.memmove(int(daddr), int(saddr), int(length))
     return plan, d, s
@@ -85,8 +86,7 @@ def test_plan_executes_as_block_copy(scenario) -> None:
     want = torch.zeros_like(dst.logical().view(torch.uint8))
     want[local_ids] = src.logical().view(torch.uint8)[remote_ids]
     assert torch.equal(dst.logical().view(torch.uint8), want)  # copied blocks equal, others untouched
-    assert plan.num_descs == len(local_ids) * {0: 1, 1: local.num_layers, 2: 2 * local.num_layers}[
-        pair.granularity]
+    assert plan.num_descs == len(local_ids) * {0: 1, 1: local.num_layers, 2: 2 * local.num_layers}[pair.granularity]
     assert plan.num_descs_merged == len(d) <= plan.num_descs
     assert int(d[:, 1].sum()) == plan.total_bytes == len(local_ids) * local.block_bytes
     starts = np.sort(d[:, 0])
@@ -103,10 +103,9 @@ def test_strided_form_expands_to_the_dense_list(kind: LayoutKind) -> None:
     pair = PairPlan.build(s, s)
     bases = [1 << 20 * (i + 1) for i in range(s.num_regions)]
     rows = strided_descriptor_array(pair.local_units, s.num_blocks, bases, 3)
-    expanded = np.concatenate([
-        np.stack([a + np.arange(c) * stride, np.full(c, n), np.full(c, dev)], axis=1)
-        for a, n, dev, stride, c in rows
-    ])
+    expanded = np.concatenate(
+        [np.stack([a + np.arange(c) * stride, np.full(c, n), np.full(c, dev)], axis=1) for a, n, dev, stride, c in rows]
+    )
     assert np.array_equal(expanded, pair.local_descs(bases, 3))
 
 
@@ -115,8 +114,9 @@ def test_strided_form_expands_to_the_dense_list(kind: LayoutKind) -> None:
     [(LayoutKind.KV_FIRST, 16384, 64), (LayoutKind.BLOCKS_FIRST, 8192, 32), (LayoutKind.CROSS_LAYER, 256, 1)],
 )
 def test_descriptor_counts_llama8b_4096_tokens(kind, per_request, contiguous_merged) -> None:
-    s = CacheSpec(kind=kind, dtype="bfloat16", num_layers=32, num_blocks=1024, block_size=16,
-                  num_kv_heads=8, head_dim=128)
+    s = CacheSpec(
+        kind=kind, dtype="bfloat16", num_layers=32, num_blocks=1024, block_size=16, num_kv_heads=8, head_dim=128
+    )
     pair = PairPlan.build(s, s)
     rng = np.random.default_rng(0)
     scattered = full_plan(pair, rng.permutation(1024)[:256], rng.permutation(1024)[:256])
@@ -128,12 +128,15 @@ def test_descriptor_counts_llama8b_4096_tokens(kind, per_request, contiguous_mer
     assert contiguous.num_descs_merged == contiguous_merged
 
 
-@pytest.mark.parametrize(("a", "b", "gran"), [
-    (LayoutKind.CROSS_LAYER, LayoutKind.CROSS_LAYER, Granularity.BLOCK),
-    (LayoutKind.CROSS_LAYER, LayoutKind.BLOCKS_FIRST, Granularity.LAYER),
-    (LayoutKind.BLOCKS_FIRST, LayoutKind.KV_FIRST, Granularity.HALF),
-    (LayoutKind.KV_FIRST, LayoutKind.CROSS_LAYER, Granularity.HALF),
-])
+@pytest.mark.parametrize(
+    ("a", "b", "gran"),
+    [
+        (LayoutKind.CROSS_LAYER, LayoutKind.CROSS_LAYER, Granularity.BLOCK),
+        (LayoutKind.CROSS_LAYER, LayoutKind.BLOCKS_FIRST, Granularity.LAYER),
+        (LayoutKind.BLOCKS_FIRST, LayoutKind.KV_FIRST, Granularity.HALF),
+        (LayoutKind.KV_FIRST, LayoutKind.CROSS_LAYER, Granularity.HALF),
+    ],
+)
 def test_pair_uses_finest_common_granularity(a, b, gran) -> None:
     assert PairPlan.build(spec(a), spec(b)).granularity is gran
 
@@ -181,8 +184,10 @@ def test_flash_attention_views_and_stride_check(kind: LayoutKind) -> None:
         assert k.stride(-1) == 1 and v.stride(-1) == 1  # FlashAttention needs a contiguous last dim
         assert k.data_ptr() != v.data_ptr()
     if kind is not LayoutKind.CROSS_LAYER:
-        padded = [torch.zeros(*s.region_shape()[:-1], s.head_dim * 2, dtype=torch.float16)[..., : s.head_dim]
-                  for _ in range(s.num_regions)]
+        padded = [
+            torch.zeros(*s.region_shape()[:-1], s.head_dim * 2, dtype=torch.float16)[..., : s.head_dim]
+            for _ in range(s.num_regions)
+        ]
         with pytest.raises(LayoutError, match="strides"):
             KVCache.from_tensors(s, padded)
     wrong = [torch.zeros(s.region_shape(), dtype=torch.float32) for _ in range(s.num_regions)]

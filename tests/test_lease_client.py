@@ -32,12 +32,26 @@ def group() -> Iterator[list[tuple[KVConnector, list[int]]]]:
     ranks = []
     try:
         for rank in range(2):
-            spec = CacheSpec(kind=LayoutKind.BLOCKS_FIRST, dtype="float16", num_layers=2, num_blocks=8, block_size=4,
-                             num_kv_heads=1, head_dim=8, tp_size=2, tp_rank=rank, total_kv_heads=2)
+            spec = CacheSpec(
+                kind=LayoutKind.BLOCKS_FIRST,
+                dtype="float16",
+                num_layers=2,
+                num_blocks=8,
+                block_size=4,
+                num_kv_heads=1,
+                head_dim=8,
+                tp_size=2,
+                tp_rank=rank,
+                total_kv_heads=2,
+            )
             freed: list[int] = []
-            conn = KVConnector(KVCache.allocate(spec), connector_config({}, engine_id="tp-group",
-                               side_channel_host="127.0.0.1", side_channel_port=base + rank),
-                               on_blocks_freed=freed.extend)
+            conn = KVConnector(
+                KVCache.allocate(spec),
+                connector_config(
+                    {}, engine_id="tp-group", side_channel_host="127.0.0.1", side_channel_port=base + rank
+                ),
+                on_blocks_freed=freed.extend,
+            )
             ranks.append((conn, freed))
         yield ranks
     finally:

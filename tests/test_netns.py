@@ -74,7 +74,7 @@ def _delete_stale_namespaces() -> None:
     listing = _ip("netns", "list", check=False).stdout.split()
     for name in listing:
         if name.startswith(NS_PREFIX):
-            pid = name[len(NS_PREFIX):].split("-", 1)[0]
+            pid = name[len(NS_PREFIX) :].split("-", 1)[0]
             if pid.isdigit() and not Path(f"/proc/{pid}").exists():
                 _ip("netns", "del", name, check=False)
 
@@ -110,8 +110,9 @@ def hosts() -> Iterator[Hosts]:
         pytest.skip(reason)
     _delete_stale_namespaces()
     token = secrets.token_hex(3)
-    h = Hosts(f"{NS_PREFIX}{os.getpid()}-{token}-p", f"{NS_PREFIX}{os.getpid()}-{token}-d",
-              f"kvp{token}", f"kvd{token}")
+    h = Hosts(
+        f"{NS_PREFIX}{os.getpid()}-{token}-p", f"{NS_PREFIX}{os.getpid()}-{token}-d", f"kvp{token}", f"kvd{token}"
+    )
     made: list[str] = []
     try:
         for ns in (h.prefill_ns, h.decode_ns):
@@ -122,8 +123,20 @@ def hosts() -> Iterator[Hosts]:
                 raise RuntimeError(f"ip netns add {ns}: {out.stderr.strip()}")
             made.append(ns)
         # both ends are created inside their namespaces: nothing touches the root namespace
-        _ip("link", "add", h.prefill_dev, "netns", h.prefill_ns, "type", "veth",
-            "peer", "name", h.decode_dev, "netns", h.decode_ns)
+        _ip(
+            "link",
+            "add",
+            h.prefill_dev,
+            "netns",
+            h.prefill_ns,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            h.decode_dev,
+            "netns",
+            h.decode_ns,
+        )
         ends = ((h.prefill_ns, h.prefill_dev, PREFILL_ADDR), (h.decode_ns, h.decode_dev, DECODE_ADDR))
         for ns, dev, addr in ends:
             _ip("-n", ns, "addr", "add", f"{addr}/{PREFIX_LEN}", "dev", dev)
@@ -168,8 +181,14 @@ class NetnsCluster:
     @staticmethod
     def base_env(dev: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCONNECT_", "UCX_"))}
-        env.update(UCX_TLS="tcp", UCX_NET_DEVICES=dev, NIXL_LOG_LEVEL="WARN", KVCONNECT_LOG_LEVEL="WARNING",
-                   KVCONNECT_SECRET=SECRET, PYTHONUNBUFFERED="1")
+        env.update(
+            UCX_TLS="tcp",
+            UCX_NET_DEVICES=dev,
+            NIXL_LOG_LEVEL="WARN",
+            KVCONNECT_LOG_LEVEL="WARNING",
+            KVCONNECT_SECRET=SECRET,
+            PYTHONUNBUFFERED="1",
+        )
         return env
 
     def spawn(self, name: str, ns: str, args: list[str], env: dict[str, str]) -> None:
@@ -182,25 +201,57 @@ class NetnsCluster:
         h = self.hosts
         # prefill host: configuration through KVCONNECT_* only, as in the container images and manifests
         env = self.base_env(h.prefill_dev)
-        env.update(KVCONNECT_ROLE="prefill", KVCONNECT_HOST="0.0.0.0", KVCONNECT_PORT=str(HTTP_PORT),
-                   KVCONNECT_SIDE_CHANNEL_HOST="0.0.0.0", KVCONNECT_SIDE_CHANNEL_PORT=str(SIDE_PORT),
-                   KVCONNECT_ADVERTISE_HOST=PREFILL_ADDR, KVCONNECT_LAYOUT="cross_layer",
-                   KVCONNECT_ENGINE_ID="netns-prefill", KVCONNECT_NUM_BLOCKS="256")
+        env.update(
+            KVCONNECT_ROLE="prefill",
+            KVCONNECT_HOST="0.0.0.0",
+            KVCONNECT_PORT=str(HTTP_PORT),
+            KVCONNECT_SIDE_CHANNEL_HOST="0.0.0.0",
+            KVCONNECT_SIDE_CHANNEL_PORT=str(SIDE_PORT),
+            KVCONNECT_ADVERTISE_HOST=PREFILL_ADDR,
+            KVCONNECT_LAYOUT="cross_layer",
+            KVCONNECT_ENGINE_ID="netns-prefill",
+            KVCONNECT_NUM_BLOCKS="256",
+        )
         self.spawn("prefill", h.prefill_ns, ["serve"], env)
         # decode host: flags this time, bound to the host's own address
         env = self.base_env(h.decode_dev)
         common = ["--layout", "blocks_first", "--num-blocks", "256"]
-        self.spawn("decode", h.decode_ns, ["serve", "--role", "decode", "--host", DECODE_ADDR, "--port",
-                                           str(HTTP_PORT), "--side-channel-host", DECODE_ADDR, "--engine-id",
-                                           "netns-decode", *common], env)
-        self.spawn("reference", h.decode_ns, ["serve", "--role", "both", "--host", "127.0.0.1", "--port",
-                                              str(REF_PORT), *common], env)
+        self.spawn(
+            "decode",
+            h.decode_ns,
+            [
+                "serve",
+                "--role",
+                "decode",
+                "--host",
+                DECODE_ADDR,
+                "--port",
+                str(HTTP_PORT),
+                "--side-channel-host",
+                DECODE_ADDR,
+                "--engine-id",
+                "netns-decode",
+                *common,
+            ],
+            env,
+        )
+        self.spawn(
+            "reference",
+            h.decode_ns,
+            ["serve", "--role", "both", "--host", "127.0.0.1", "--port", str(REF_PORT), *common],
+            env,
+        )
         env = self.base_env(h.decode_dev)
-        env.update(KVCONNECT_PROXY_HOST="0.0.0.0", KVCONNECT_PROXY_PORT=str(PROXY_PORT),
-                   KVCONNECT_PREFILL_URLS=self.prefill_url, KVCONNECT_DECODE_URLS=self.decode_url)
+        env.update(
+            KVCONNECT_PROXY_HOST="0.0.0.0",
+            KVCONNECT_PROXY_PORT=str(PROXY_PORT),
+            KVCONNECT_PREFILL_URLS=self.prefill_url,
+            KVCONNECT_DECODE_URLS=self.decode_url,
+        )
         self.spawn("proxy", h.decode_ns, ["proxy"], env)
-        self.pool = cf.ThreadPoolExecutor(12, thread_name_prefix="netns-client", initializer=_enter_netns,
-                                          initargs=(h.decode_ns,))
+        self.pool = cf.ThreadPoolExecutor(
+            12, thread_name_prefix="netns-client", initializer=_enter_netns, initargs=(h.decode_ns,)
+        )
         self.wait_healthy()
 
     def logs(self) -> str:
@@ -232,8 +283,12 @@ class NetnsCluster:
         return self.run(lambda: httpx.post(url, json=body, timeout=timeout_s), timeout_s=timeout_s + 5)
 
     def wait_healthy(self) -> None:
-        urls = {"prefill": self.prefill_url, "decode": self.decode_url, "reference": self.reference_url,
-                "proxy": self.proxy_url}
+        urls = {
+            "prefill": self.prefill_url,
+            "decode": self.decode_url,
+            "reference": self.reference_url,
+            "proxy": self.proxy_url,
+        }
         pending = {name: url + "/health" for name, url in urls.items()}
 
         def healthy(url: str) -> bool:
@@ -297,12 +352,19 @@ def test_wildcard_bind_needs_an_advertise_host() -> None:
             connector_config(environ={"KVCONNECT_SIDE_CHANNEL_HOST": wildcard})
         with pytest.raises(ConfigError, match="advertise_host"):
             connector_config(environ={"KVCONNECT_ADVERTISE_HOST": wildcard})
-    cfg = connector_config(environ={"KVCONNECT_SIDE_CHANNEL_HOST": "0.0.0.0",
-                                    "KVCONNECT_SIDE_CHANNEL_PORT": "5600",
-                                    "KVCONNECT_ADVERTISE_HOST": "10.1.2.3", "KVCONNECT_SECRET": SECRET})
+    cfg = connector_config(
+        environ={
+            "KVCONNECT_SIDE_CHANNEL_HOST": "0.0.0.0",
+            "KVCONNECT_SIDE_CHANNEL_PORT": "5600",
+            "KVCONNECT_ADVERTISE_HOST": "10.1.2.3",
+            "KVCONNECT_SECRET": SECRET,
+        }
+    )
     assert (cfg.side_channel_host, cfg.side_channel_port, cfg.advertise_host) == ("0.0.0.0", 5600, "10.1.2.3")
-    assert connector_config(environ={"KVCONNECT_SIDE_CHANNEL_HOST": "10.1.2.3",
-                                     "KVCONNECT_SECRET": SECRET}).advertise_host == "10.1.2.3"
+    assert (
+        connector_config(environ={"KVCONNECT_SIDE_CHANNEL_HOST": "10.1.2.3", "KVCONNECT_SECRET": SECRET}).advertise_host
+        == "10.1.2.3"
+    )
 
 
 def test_workers_bind_where_told_and_are_reached_across_hosts(cluster: NetnsCluster) -> None:
@@ -320,8 +382,7 @@ def test_workers_bind_where_told_and_are_reached_across_hosts(cluster: NetnsClus
 
 def test_prefill_advertises_its_address_not_its_bind_address(cluster: NetnsCluster) -> None:
     prompt = "a hand-driven prefill leg across two hosts, as the llm-d sidecar sends it"
-    leg = {"prompt": prompt, "max_tokens": 1, "stream": False,
-           "kv_transfer_params": {"do_remote_decode": True}}
+    leg = {"prompt": prompt, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
     r = cluster.post(cluster.prefill_url + "/v1/completions", leg)
     assert r.status_code == 200, r.text
     params = r.json()["kv_transfer_params"]

@@ -31,8 +31,10 @@ def test_vllm_params_parse_and_ignore_unknown_fields() -> None:
     assert parse_kv_transfer_params({"do_remote_decode": True}).do_remote_decode  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("missing", ["remote_engine_id", "remote_block_ids", "remote_host", "remote_port",
-                                     "remote_request_id", "remote_lease_id"])
+@pytest.mark.parametrize(
+    "missing",
+    ["remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "remote_request_id", "remote_lease_id"],
+)
 def test_missing_field_is_named(missing: str) -> None:
     body = {k: v for k, v in GOOD.items() if k != missing}
     with pytest.raises(InvalidRequestError) as e:
@@ -40,8 +42,10 @@ def test_missing_field_is_named(missing: str) -> None:
     assert e.value.field == f"kv_transfer_params.{missing}"
 
 
-@pytest.mark.parametrize(("field", "value"), [("remote_port", "5600"), ("remote_block_ids", [1, "2"]),
-                                              ("do_remote_prefill", "yes"), ("tp_size", 1.5)])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("remote_port", "5600"), ("remote_block_ids", [1, "2"]), ("do_remote_prefill", "yes"), ("tp_size", 1.5)],
+)
 def test_mistyped_field_is_named(field: str, value: object) -> None:
     with pytest.raises(InvalidRequestError) as e:
         parse_kv_transfer_params({**GOOD, field: value})
@@ -70,9 +74,13 @@ def test_port_range_and_non_object() -> None:
 
 
 @settings(max_examples=500, deadline=None)
-@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-                    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=20), c, max_size=6),
-                    max_leaves=20))
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+        lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=20), c, max_size=6),
+        max_leaves=20,
+    )
+)
 def test_params_parser_fuzz_only_raises_named_errors(obj: object) -> None:
     for candidate in (obj, {**GOOD, "remote_block_ids": obj}, {**GOOD, "remote_host": obj}):
         try:
@@ -92,8 +100,10 @@ def test_request_decoder_fuzz_random_bytes(data: bytes) -> None:
 
 
 def _valid_request_bytes() -> list[bytes]:
-    return [p.encode(p.Hello(p.PROTOCOL_VERSION, "e")),
-            p.encode(p.LeaseRequest(p.PROTOCOL_VERSION, "e", "r", p.LeaseAction.CONFIRM))]
+    return [
+        p.encode(p.Hello(p.PROTOCOL_VERSION, "e")),
+        p.encode(p.LeaseRequest(p.PROTOCOL_VERSION, "e", "r", p.LeaseAction.CONFIRM)),
+    ]
 
 
 @settings(max_examples=500, deadline=None)
@@ -114,8 +124,15 @@ def test_wrong_version_and_oversize_are_protocol_errors() -> None:
 
 
 def test_peer_info_round_trip_and_bad_spec() -> None:
-    spec = CacheSpec(kind=LayoutKind.CROSS_LAYER, dtype="bfloat16", num_layers=2, num_blocks=4,
-                     block_size=16, num_kv_heads=1, head_dim=8)
+    spec = CacheSpec(
+        kind=LayoutKind.CROSS_LAYER,
+        dtype="bfloat16",
+        num_layers=2,
+        num_blocks=4,
+        block_size=16,
+        num_kv_heads=1,
+        head_dim=8,
+    )
     info = p.PeerInfo(p.PROTOCOL_VERSION, "e", "inc", "agent", b"meta", spec, [1, 2])
     assert p.decode_reply(p.encode(info)) == info
     raw = msgspec.msgpack.decode(p.encode(info))

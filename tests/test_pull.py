@@ -46,8 +46,9 @@ def prefills():
 
 
 def decoder(kind: LayoutKind, num_blocks: int = 32, **config) -> KVConnector:
-    return KVConnector(KVCache.allocate(spec(kind, num_blocks)),
-                       connector_config({}, side_channel_host="127.0.0.1", **config))
+    return KVConnector(
+        KVCache.allocate(spec(kind, num_blocks)), connector_config({}, side_channel_host="127.0.0.1", **config)
+    )
 
 
 def rid() -> str:
@@ -139,6 +140,7 @@ def test_a_pull_whose_start_raises_fails_naming_why_instead_of_vanishing(prefill
     pre = prefills[LayoutKind.BLOCKS_FIRST]
     params = pre.lease(rid(), [20])
     with decoder(LayoutKind.BLOCKS_FIRST, pull_timeout_s=30.0) as dec:
+
         def no_socket(*args, **kwargs):
             raise zmq.ZMQError(errno.EMFILE)
 
@@ -178,8 +180,10 @@ def test_params_naming_another_requests_blocks_are_refused_and_both_leases_survi
         for params, local, remote in ((pa, [2, 3], [20, 21]), (pb, [4, 5], [22, 23])):
             dec.pull(params, local).wait(20)
             assert [dec.cache.block_bytes(x) for x in local] == [pre.ask("block", x) for x in remote]
-        poll_until(lambda: pre.ask("state", a) == "completed" and pre.ask("state", b) == "completed",
-                   what="both leases completed by their own readers")
+        poll_until(
+            lambda: pre.ask("state", a) == "completed" and pre.ask("state", b) == "completed",
+            what="both leases completed by their own readers",
+        )
 
 
 def test_layout_mismatch_names_the_fields() -> None:
@@ -215,9 +219,15 @@ def test_dead_prefill_address_fails_within_deadline() -> None:
         port = s.getsockname()[1]
     from kvconnect.core.params import KVTransferParams
 
-    params = KVTransferParams(do_remote_prefill=True, remote_engine_id="ghost", remote_block_ids=[1],
-                              remote_host="127.0.0.1", remote_port=port, remote_request_id="r",
-                              remote_lease_id="lease-r")
+    params = KVTransferParams(
+        do_remote_prefill=True,
+        remote_engine_id="ghost",
+        remote_block_ids=[1],
+        remote_host="127.0.0.1",
+        remote_port=port,
+        remote_request_id="r",
+        remote_lease_id="lease-r",
+    )
     with decoder(LayoutKind.CROSS_LAYER, handshake_timeout_s=0.5) as dec:
         with pytest.raises(HandshakeTimeoutError, match="ghost"):  # (the caller's own 10 s would raise another)
             dec.pull(params, [0]).wait(10)
@@ -293,9 +303,15 @@ def test_a_pull_ends_by_its_own_deadline_while_its_peer_never_answers() -> None:
     silent = ctx.socket(zmq.ROUTER)
     silent.setsockopt(zmq.LINGER, 0)
     port = silent.bind_to_random_port("tcp://127.0.0.1")
-    params = KVTransferParams(do_remote_prefill=True, remote_engine_id="mute", remote_block_ids=[1],
-                              remote_host="127.0.0.1", remote_port=port, remote_request_id="r",
-                              remote_lease_id="lease-r")
+    params = KVTransferParams(
+        do_remote_prefill=True,
+        remote_engine_id="mute",
+        remote_block_ids=[1],
+        remote_host="127.0.0.1",
+        remote_port=port,
+        remote_request_id="r",
+        remote_lease_id="lease-r",
+    )
     try:
         with decoder(LayoutKind.CROSS_LAYER, handshake_timeout_s=60, pull_timeout_s=1.0) as dec:
             with pytest.raises(TransferTimeoutError, match="not ready within the pull's deadline"):
@@ -311,9 +327,15 @@ def test_the_peer_allowlist_refuses_a_host_before_any_connection() -> None:
         listener.listen(4)
         listener.settimeout(0.5)
         port = listener.getsockname()[1]
-        params = KVTransferParams(do_remote_prefill=True, remote_engine_id="p", remote_block_ids=[1],
-                                  remote_host="127.0.0.1", remote_port=port, remote_request_id="r",
-                                  remote_lease_id="lease-r")
+        params = KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id="p",
+            remote_block_ids=[1],
+            remote_host="127.0.0.1",
+            remote_port=port,
+            remote_request_id="r",
+            remote_lease_id="lease-r",
+        )
         with decoder(LayoutKind.CROSS_LAYER, peer_allowlist="10.0.0.0/8, prefill.internal") as dec:
             with pytest.raises(InvalidRequestError) as e:
                 dec.pull(params, [0])

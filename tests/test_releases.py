@@ -28,8 +28,15 @@ from kvconnect.serving.serve import exposure_warning
 from kvconnect.testing.prefill import PrefillProcess
 from tests.faultkit import poll_until
 
-SPEC = CacheSpec(kind=LayoutKind.BLOCKS_FIRST, dtype="float16", num_layers=2, num_blocks=16, block_size=16,
-                 num_kv_heads=2, head_dim=32)
+SPEC = CacheSpec(
+    kind=LayoutKind.BLOCKS_FIRST,
+    dtype="float16",
+    num_layers=2,
+    num_blocks=16,
+    block_size=16,
+    num_kv_heads=2,
+    head_dim=32,
+)
 
 
 def decoder(**config) -> KVConnector:
@@ -52,9 +59,16 @@ def open_fds() -> int:
 
 
 def params_for(engine_id: str, port: int, tp_size: int) -> KVTransferParams:
-    return KVTransferParams(do_remote_prefill=True, remote_engine_id=engine_id, remote_block_ids=[1, 2],
-                            remote_host="127.0.0.1", remote_port=port, remote_request_id="r-1",
-                            remote_lease_id="lease-" + engine_id, tp_size=tp_size)
+    return KVTransferParams(
+        do_remote_prefill=True,
+        remote_engine_id=engine_id,
+        remote_block_ids=[1, 2],
+        remote_host="127.0.0.1",
+        remote_port=port,
+        remote_request_id="r-1",
+        remote_lease_id="lease-" + engine_id,
+        tp_size=tp_size,
+    )
 
 
 def test_release_only_channels_close_again_and_never_pile_up() -> None:
@@ -68,12 +82,16 @@ def test_release_only_channels_close_again_and_never_pile_up() -> None:
         base = closed_port_base(64)
         for i in range(3):  # 3 x 64 ranks, nobody answering: at most SHORT_CHANNELS_MAX open
             dec.release_remote(params_for(f"gone-{i}", base, 64))
-        poll_until(lambda: short.dropped == 3 * 64 - lease_client.SHORT_CHANNELS_MAX, timeout_s=10,
-                   what="releases beyond the cap dropped")
+        poll_until(
+            lambda: short.dropped == 3 * 64 - lease_client.SHORT_CHANNELS_MAX,
+            timeout_s=10,
+            what="releases beyond the cap dropped",
+        )
         assert len(short) <= lease_client.SHORT_CHANNELS_MAX
         assert dec._decode.peers.all() == []
-        poll_until(lambda: len(short) == 0, timeout_s=lease_client.SHORT_CHANNEL_S + 10,
-                   what="release-only channels closed")
+        poll_until(
+            lambda: len(short) == 0, timeout_s=lease_client.SHORT_CHANNEL_S + 10, what="release-only channels closed"
+        )
         poll_until(lambda: open_fds() <= before + 2, timeout_s=10, what="their sockets closed")
 
 
@@ -111,8 +129,9 @@ def test_a_lease_answer_from_another_incarnation_fails_the_pull() -> None:
     """A pin answered HELD by a process that is not the one the decode handshook with (a prefill restarted
     on the same address) must not make the pull's data trusted."""
     failed: list[KVConnectError] = []
-    confirmation = LeaseConfirmation(connector_config({}), "decode", lambda pull: None,
-                                     lambda pull, e: failed.append(e))
+    confirmation = LeaseConfirmation(
+        connector_config({}), "decode", lambda pull: None, lambda pull, e: failed.append(e)
+    )
     info = p.PeerInfo(p.PROTOCOL_VERSION, "prefill-0", "a" * 32, "agent", b"", SPEC, [0, 0, 0, 0])
     peer = Peer("prefill-0", "127.0.0.1", 5600, types.SimpleNamespace(), Source(0, (0, 2), 0, 1), info=info)
     pull = Pull.from_params(params_for("prefill-0", 5600, 1), [0, 1], "r-1", SPEC, 10.0)
@@ -132,21 +151,27 @@ def test_staging_caches_are_capped_per_decode() -> None:
         peers = dec._decode.peers
         for i in range(MAX_STAGING_POOLS):
             peers.staging[msgspec.structs.replace(SPEC, num_blocks=100 + i)] = object()  # type: ignore[assignment]
-        plan = types.SimpleNamespace(staging_spec=msgspec.structs.replace(SPEC, num_blocks=99),
-                                     pair=types.SimpleNamespace(remote_spec=SPEC))
+        plan = types.SimpleNamespace(
+            staging_spec=msgspec.structs.replace(SPEC, num_blocks=99), pair=types.SimpleNamespace(remote_spec=SPEC)
+        )
         with pytest.raises(LayoutMismatchError, match="staging cache"):
             peers._local_list(plan)  # type: ignore[arg-type]
         peers.staging.clear()
 
 
-@pytest.mark.parametrize(("role", "host", "allowlist", "warns"), [
-    ("decode", "0.0.0.0", "", True), ("both", "10.1.2.3", " ", True), ("decode", "127.0.0.1", "", False),
-    ("decode", "::1", "", False), ("decode", "0.0.0.0", "10.0.0.0/8", False), ("prefill", "0.0.0.0", "", False),
-])
-def test_a_decode_reachable_from_the_network_without_an_allowlist_is_warned_about(role, host, allowlist,
-                                                                                 warns) -> None:
+@pytest.mark.parametrize(
+    ("role", "host", "allowlist", "warns"),
+    [
+        ("decode", "0.0.0.0", "", True),
+        ("both", "10.1.2.3", " ", True),
+        ("decode", "127.0.0.1", "", False),
+        ("decode", "::1", "", False),
+        ("decode", "0.0.0.0", "10.0.0.0/8", False),
+        ("prefill", "0.0.0.0", "", False),
+    ],
+)
+def test_a_decode_reachable_from_the_network_without_an_allowlist_is_warned_about(role, host, allowlist, warns) -> None:
     text = exposure_warning(role, host, allowlist)
     assert bool(text) is warns
     if warns:
         assert "--peer-allowlist" in text and host in text
-

@@ -39,10 +39,16 @@ def cluster():
     if os.environ.get("KVCONNECT_SKIP_SLOW"):  # pragma: no cover
         pytest.skip("KVCONNECT_SKIP_SLOW set")
     with Cluster(
-        "cross_layer", "cross_layer", decodes=("decode", "decode-nosecret"), aggregated=False,
+        "cross_layer",
+        "cross_layer",
+        decodes=("decode", "decode-nosecret"),
+        aggregated=False,
         extra_args={"decode": ["--failure-policy", "recompute"]},
-        extra_env={"prefill": {"KVCONNECT_SECRET": SECRET}, "decode": {"KVCONNECT_SECRET": SECRET},
-                   "proxy": {"KVCONNECT_SECRET": SECRET}},
+        extra_env={
+            "prefill": {"KVCONNECT_SECRET": SECRET},
+            "decode": {"KVCONNECT_SECRET": SECRET},
+            "proxy": {"KVCONNECT_SECRET": SECRET},
+        },
     ) as c:
         yield c
 
@@ -57,8 +63,7 @@ def side_port(cluster: Cluster) -> int:
     return int(health(cluster.urls["prefill"])["side_channel_port"])
 
 
-def test_decode_without_the_secret_gets_a_clear_502_and_no_metadata(cluster: Cluster,
-                                                                    expected: list[int]) -> None:
+def test_decode_without_the_secret_gets_a_clear_502_and_no_metadata(cluster: Cluster, expected: list[int]) -> None:
     urls = cluster.urls
     refused = metric(urls["prefill"], "kvconnect_side_channel_refused_total")
     params = prefill_leg(urls["prefill"], PROMPT, "nosecret-1")
@@ -122,8 +127,13 @@ def _abuse(port: int, stop: threading.Event, counts: dict[str, int]) -> None:
     ctx = zmq.Context()
     try:
         good = p.encode(p.Hello(p.PROTOCOL_VERSION, "fuzzer"))
-        payloads = [good[: len(good) // 2], p.encode(p.Hello(7, "old")), b"", b"\xc1" * 33,
-                    msgspec.msgpack.encode({"type": "hello", "protocol_version": "1"})]
+        payloads = [
+            good[: len(good) // 2],
+            p.encode(p.Hello(7, "old")),
+            b"",
+            b"\xc1" * 33,
+            msgspec.msgpack.encode({"type": "hello", "protocol_version": "1"}),
+        ]
         while not stop.is_set():
             socks = []
             for i in range(50):  # a burst of connections, each with one bad message
@@ -178,27 +188,45 @@ def test_side_channel_survives_abuse_while_serving_good_peers(cluster: Cluster, 
 NEEDED = 3  # blocks PROMPT needs
 
 
-@pytest.mark.parametrize(("patch", "field"), [
-    ({"remote_block_ids": [0, 1, 1_000_000]}, "kv_transfer_params.remote_block_ids"),  # out of range
-    ({"remote_block_ids": [0, -1, 2]}, "kv_transfer_params.remote_block_ids"),
-    ({"remote_block_ids": [4, 4, 5]}, "kv_transfer_params.remote_block_ids"),
-    ({"remote_block_ids": [1, 2, 3, 4]}, "kv_transfer_params.remote_block_ids"),  # more than needed
-    ({"remote_block_ids": [1, 2]}, "kv_transfer_params.remote_block_ids"),  # fewer: counts mismatch
-    ({"remote_engine_id": "no-such-engine"}, "kv_transfer_params.remote_engine_id"),  # unknown engine
-    ({"remote_port": 70000}, "kv_transfer_params.remote_port"),
-    ({"remote_request_id": None}, "kv_transfer_params.remote_request_id"),
-    ({"tp_size": 0}, "kv_transfer_params.tp_size"),
-], ids=["out_of_range", "negative", "duplicated", "more", "fewer", "unknown_engine", "port", "no_request_id",
-        "tp_size"])
-def test_bad_transfer_params_get_400_naming_the_field_and_nothing_is_read(cluster: Cluster, patch: dict,
-                                                                         field: str) -> None:
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ({"remote_block_ids": [0, 1, 1_000_000]}, "kv_transfer_params.remote_block_ids"),  # out of range
+        ({"remote_block_ids": [0, -1, 2]}, "kv_transfer_params.remote_block_ids"),
+        ({"remote_block_ids": [4, 4, 5]}, "kv_transfer_params.remote_block_ids"),
+        ({"remote_block_ids": [1, 2, 3, 4]}, "kv_transfer_params.remote_block_ids"),  # more than needed
+        ({"remote_block_ids": [1, 2]}, "kv_transfer_params.remote_block_ids"),  # fewer: counts mismatch
+        ({"remote_engine_id": "no-such-engine"}, "kv_transfer_params.remote_engine_id"),  # unknown engine
+        ({"remote_port": 70000}, "kv_transfer_params.remote_port"),
+        ({"remote_request_id": None}, "kv_transfer_params.remote_request_id"),
+        ({"tp_size": 0}, "kv_transfer_params.tp_size"),
+    ],
+    ids=[
+        "out_of_range",
+        "negative",
+        "duplicated",
+        "more",
+        "fewer",
+        "unknown_engine",
+        "port",
+        "no_request_id",
+        "tp_size",
+    ],
+)
+def test_bad_transfer_params_get_400_naming_the_field_and_nothing_is_read(
+    cluster: Cluster, patch: dict, field: str
+) -> None:
     urls = cluster.urls
     rid = f"bad-{field}-{len(str(patch))}-{os.urandom(3).hex()}"
     params = prefill_leg(urls["prefill"], PROMPT, rid)
     assert len(params["remote_block_ids"]) == NEEDED
-    watched = [("decode", "kvconnect_pulls_ok_total"), ("decode", "kvconnect_nixl_bytes_transferred_count"),
-               ("decode", "kvconnect_nixl_bytes_transferred_sum"), ("prefill", "kvconnect_notifs_total"),
-               ("prefill", "kvconnect_leases_ended")]
+    watched = [
+        ("decode", "kvconnect_pulls_ok_total"),
+        ("decode", "kvconnect_nixl_bytes_transferred_count"),
+        ("decode", "kvconnect_nixl_bytes_transferred_sum"),
+        ("prefill", "kvconnect_notifs_total"),
+        ("prefill", "kvconnect_leases_ended"),
+    ]
 
     def read() -> list[float]:
         return [metric(urls[w], n, **({"outcome": "completed"} if "leases" in n else {})) for w, n in watched]
@@ -232,7 +260,8 @@ def test_refused_leg_releases_the_lease_it_names(cluster: Cluster) -> None:
 
 
 def test_params_edited_to_other_blocks_are_refused_like_any_lost_lease_and_the_real_leases_end_normally(
-        cluster: Cluster, expected: list[int]) -> None:
+    cluster: Cluster, expected: list[int]
+) -> None:
     """A client reaching the decode worker itself points its params at another request's blocks, or at a
     made-up lease: the prefill refuses both, nothing of theirs is used, no lease is ended by it, and the
     client cannot tell the two apart (this decode recomputes either; a fail-policy one answers both with
@@ -274,11 +303,20 @@ def test_reply_decoder_fuzz_random_bytes(data: bytes) -> None:
 def _valid_replies() -> list[bytes]:
     from kvconnect.core.layout import CacheSpec, LayoutKind
 
-    spec = CacheSpec(kind=LayoutKind.CROSS_LAYER, dtype="float16", num_layers=2, num_blocks=4, block_size=16,
-                     num_kv_heads=1, head_dim=8)
-    return [p.encode(p.PeerInfo(p.PROTOCOL_VERSION, "e", "inc", "agent", b"meta", spec, [1, 2])),
-            p.encode(p.LeaseReply("r", p.LeaseState.COMPLETED, "inc")),
-            p.encode(p.ErrorReply(p.ErrorCode.AUTH, "no"))]
+    spec = CacheSpec(
+        kind=LayoutKind.CROSS_LAYER,
+        dtype="float16",
+        num_layers=2,
+        num_blocks=4,
+        block_size=16,
+        num_kv_heads=1,
+        head_dim=8,
+    )
+    return [
+        p.encode(p.PeerInfo(p.PROTOCOL_VERSION, "e", "inc", "agent", b"meta", spec, [1, 2])),
+        p.encode(p.LeaseReply("r", p.LeaseState.COMPLETED, "inc")),
+        p.encode(p.ErrorReply(p.ErrorCode.AUTH, "no")),
+    ]
 
 
 @settings(max_examples=500, deadline=None)
@@ -303,11 +341,25 @@ def test_notification_decoder_fuzz(data: bytes) -> None:
 
 _scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
 _json = st.recursive(
-    _scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=12), c, max_size=5),
-    max_leaves=15)
-_fields = st.sampled_from(["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
-                           "top_p", "seed", "n", "stream", "ignore_eos", "return_token_ids",
-                           "kv_transfer_params", "model"])
+    _scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=12), c, max_size=5), max_leaves=15
+)
+_fields = st.sampled_from(
+    [
+        "prompt",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "n",
+        "stream",
+        "ignore_eos",
+        "return_token_ids",
+        "kv_transfer_params",
+        "model",
+    ]
+)
 
 
 @settings(max_examples=500, deadline=None)

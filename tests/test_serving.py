@@ -39,13 +39,16 @@ def check_all_equal(cluster: Cluster, prompts: list[str], max_tokens: int = 6) -
             assert len(d["token_ids"]) == max_tokens or d["token_ids"][-1:] != []
 
 
-@pytest.mark.parametrize(("prefill_layout", "decode_layout"), [
-    ("blocks_first", "blocks_first"),
-    ("kv_first", "kv_first"),
-    ("cross_layer", "cross_layer"),
-    ("kv_first", "cross_layer"),
-    ("cross_layer", "blocks_first"),
-])
+@pytest.mark.parametrize(
+    ("prefill_layout", "decode_layout"),
+    [
+        ("blocks_first", "blocks_first"),
+        ("kv_first", "kv_first"),
+        ("cross_layer", "cross_layer"),
+        ("kv_first", "cross_layer"),
+        ("cross_layer", "blocks_first"),
+    ],
+)
 def test_disaggregated_equals_aggregated(prefill_layout: str, decode_layout: str) -> None:
     assert len(PROMPTS) >= 50
     with Cluster(prefill_layout, decode_layout) as cluster:
@@ -58,8 +61,11 @@ def test_prefill_and_decode_with_different_block_sizes() -> None:
     with Cluster("cross_layer", "blocks_first", extra_args={"prefill": ["--block-size", "64"]}) as cluster:
         check_all_equal(cluster, PROMPTS[:16])
         poll_until(lambda: health(cluster.urls["prefill"])["leased_blocks"] == 0, what="leases released")
-        pulls = {dict(labels)["path"]: value for (name, labels), value in scrape(cluster.urls["decode"]).items()
-                 if name == "kvconnect_pulls_by_path_total"}
+        pulls = {
+            dict(labels)["path"]: value
+            for (name, labels), value in scrape(cluster.urls["decode"]).items()
+            if name == "kvconnect_pulls_by_path_total"
+        }
         assert set(pulls) <= {"direct", "staging"} and sum(pulls.values()) >= 15, pulls  # (one prompt is short)
 
 
@@ -73,28 +79,40 @@ def test_concurrent_streaming_and_not_leave_nothing_behind(cluster: Cluster) -> 
     before = {name: health(cluster.urls[name])["free_blocks"] for name in ("prefill", "decode")}
     prompts = [f"concurrent request {i} " * (1 + i % 5) for i in range(24)]
     with cf.ThreadPoolExecutor(24) as pool:
-        futures = [pool.submit(complete, cluster.urls["proxy"], p, 8, i % 2 == 0, i % 3 == 0)
-                   for i, p in enumerate(prompts)]
-        refs = [pool.submit(complete, cluster.urls["aggregated"], p, 8, False, i % 3 == 0)
-                for i, p in enumerate(prompts)]
+        futures = [
+            pool.submit(complete, cluster.urls["proxy"], p, 8, i % 2 == 0, i % 3 == 0) for i, p in enumerate(prompts)
+        ]
+        refs = [
+            pool.submit(complete, cluster.urls["aggregated"], p, 8, False, i % 3 == 0) for i, p in enumerate(prompts)
+        ]
         results = [f.result() for f in futures]
         expected = [f.result() for f in refs]
     for got, want in zip(results, expected, strict=True):
         assert got["status"] == 200 and got["token_ids"] == want["token_ids"]
     poll_until(lambda: health(cluster.urls["prefill"])["leased_blocks"] == 0, what="no leased blocks")
-    poll_until(lambda: {n: health(cluster.urls[n])["free_blocks"] for n in before} == before,
-               what="free blocks back to the start")
+    poll_until(
+        lambda: {n: health(cluster.urls[n])["free_blocks"] for n in before} == before,
+        what="free blocks back to the start",
+    )
 
 
 def test_hand_driven_legs_use_vllm_field_names(cluster: Cluster) -> None:
     prompt = "a hand-driven prefill leg, as the llm-d sidecar sends it"
     leg = {"prompt": prompt, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
-    r = httpx.post(cluster.urls["prefill"] + "/v1/completions", json=leg, headers={"x-request-id": "hand-1"},
-                   timeout=30)
+    r = httpx.post(
+        cluster.urls["prefill"] + "/v1/completions", json=leg, headers={"x-request-id": "hand-1"}, timeout=30
+    )
     assert r.status_code == 200
     params = r.json()["kv_transfer_params"]
-    for name in ("do_remote_prefill", "remote_engine_id", "remote_block_ids", "remote_host", "remote_port",
-                 "remote_request_id", "tp_size"):
+    for name in (
+        "do_remote_prefill",
+        "remote_engine_id",
+        "remote_block_ids",
+        "remote_host",
+        "remote_port",
+        "remote_request_id",
+        "tp_size",
+    ):
         assert name in params
     assert params["do_remote_prefill"] is True and params["remote_request_id"] == "hand-1"
     assert health(cluster.urls["prefill"])["leased_blocks"] == len(params["remote_block_ids"])
@@ -106,33 +124,55 @@ def test_hand_driven_legs_use_vllm_field_names(cluster: Cluster) -> None:
     poll_until(lambda: health(cluster.urls["prefill"])["leased_blocks"] == 0, what="lease released")
 
 
-@pytest.mark.parametrize(("patch", "field"), [
-    ({"remote_port": "not-a-port"}, "kv_transfer_params.remote_port"),
-    ({"remote_block_ids": None}, "kv_transfer_params.remote_block_ids"),
-    ({"remote_block_ids": [1, 1]}, "kv_transfer_params.remote_block_ids"),
-    ({"remote_block_ids": [-3]}, "kv_transfer_params.remote_block_ids"),
-    ({"remote_block_ids": [1, 2, 3, 4, 5, 6]}, "kv_transfer_params.remote_block_ids"),  # more than needed
-    ({"remote_host": None}, "kv_transfer_params.remote_host"),
-    ({"tp_size": 3}, "kv_transfer_params.tp_size"),  # 3 ranks cannot share 2 KV heads
-])
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ({"remote_port": "not-a-port"}, "kv_transfer_params.remote_port"),
+        ({"remote_block_ids": None}, "kv_transfer_params.remote_block_ids"),
+        ({"remote_block_ids": [1, 1]}, "kv_transfer_params.remote_block_ids"),
+        ({"remote_block_ids": [-3]}, "kv_transfer_params.remote_block_ids"),
+        ({"remote_block_ids": [1, 2, 3, 4, 5, 6]}, "kv_transfer_params.remote_block_ids"),  # more than needed
+        ({"remote_host": None}, "kv_transfer_params.remote_host"),
+        ({"tp_size": 3}, "kv_transfer_params.tp_size"),  # 3 ranks cannot share 2 KV heads
+    ],
+)
 def test_malformed_kv_transfer_params_get_400_naming_the_field(cluster: Cluster, patch: dict, field: str) -> None:
-    params = {"do_remote_prefill": True, "remote_engine_id": "demo-prefill", "remote_block_ids": [1],
-              "remote_host": "127.0.0.1", "remote_port": 5999, "remote_request_id": "x",
-              "remote_lease_id": "lease-x", "tp_size": 1}
+    params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "demo-prefill",
+        "remote_block_ids": [1],
+        "remote_host": "127.0.0.1",
+        "remote_port": 5999,
+        "remote_request_id": "x",
+        "remote_lease_id": "lease-x",
+        "tp_size": 1,
+    }
     params.update(patch)
     params = {k: v for k, v in params.items() if v is not None}
-    r = httpx.post(cluster.urls["decode"] + "/v1/completions",
-                   json={"prompt": "hello", "max_tokens": 2, "kv_transfer_params": params}, timeout=30)
+    r = httpx.post(
+        cluster.urls["decode"] + "/v1/completions",
+        json={"prompt": "hello", "max_tokens": 2, "kv_transfer_params": params},
+        timeout=30,
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
 
 
 def test_proxy_ignores_client_chosen_destinations(cluster: Cluster) -> None:
-    evil = {"do_remote_prefill": True, "remote_engine_id": "evil", "remote_block_ids": [1],
-            "remote_host": "127.0.0.2", "remote_port": 1, "remote_request_id": "x", "remote_lease_id": "lease-x"}
-    r = httpx.post(cluster.urls["proxy"] + "/v1/completions",
-                   json={"prompt": "hello there", "max_tokens": 3, "return_token_ids": True,
-                         "kv_transfer_params": evil}, timeout=30)
+    evil = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "evil",
+        "remote_block_ids": [1],
+        "remote_host": "127.0.0.2",
+        "remote_port": 1,
+        "remote_request_id": "x",
+        "remote_lease_id": "lease-x",
+    }
+    r = httpx.post(
+        cluster.urls["proxy"] + "/v1/completions",
+        json={"prompt": "hello there", "max_tokens": 3, "return_token_ids": True, "kv_transfer_params": evil},
+        timeout=30,
+    )
     assert r.status_code == 200
     assert r.json()["choices"][0]["token_ids"] == complete(cluster.urls["aggregated"], "hello there", 3)["token_ids"]
 
@@ -145,14 +185,20 @@ def test_proxy_does_not_import_nixl() -> None:
 
 def test_decode_with_dead_prefill_fails_clearly_within_deadline() -> None:
     with Cluster("blocks_first", "blocks_first") as c:
-        leg = {"prompt": "the prefill worker dies after this", "max_tokens": 1,
-               "kv_transfer_params": {"do_remote_decode": True}}
+        leg = {
+            "prompt": "the prefill worker dies after this",
+            "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True},
+        }
         params = httpx.post(c.urls["prefill"] + "/v1/completions", json=leg, timeout=30).json()["kv_transfer_params"]
         c.procs["prefill"].send_signal(signal.SIGKILL)
         c.procs["prefill"].wait(10)
         t0 = time.monotonic()
-        r = httpx.post(c.urls["decode"] + "/v1/completions",
-                       json={"prompt": leg["prompt"], "max_tokens": 4, "kv_transfer_params": params}, timeout=60)
+        r = httpx.post(
+            c.urls["decode"] + "/v1/completions",
+            json={"prompt": leg["prompt"], "max_tokens": 4, "kv_transfer_params": params},
+            timeout=60,
+        )
         elapsed = time.monotonic() - t0
         assert r.status_code == 502, r.text
         assert "prefill" in r.json()["error"]["message"] and "Handshake" in r.json()["error"]["message"]
@@ -205,5 +251,8 @@ def test_a_body_the_decode_refuses_still_releases_the_lease_its_params_name(clus
     body = {"prompt": "a refused body still names its lease", "max_tokens": 0, "kv_transfer_params": params}
     r = httpx.post(cluster.urls["decode"] + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
-    poll_until(lambda: health(cluster.urls["prefill"])["leased_blocks"] == 0, timeout_s=20,
-               what="the refused body's lease released (TTL is 60 s)")
+    poll_until(
+        lambda: health(cluster.urls["prefill"])["leased_blocks"] == 0,
+        timeout_s=20,
+        what="the refused body's lease released (TTL is 60 s)",
+    )

@@ -47,14 +47,27 @@ EXPIRY_EVERY = max(NUM_REQUESTS // 25, 4)  # completed requests between two expi
 RSS_BOUND_BYTES = 768 * 2**20  # workers sit near 310 MiB (torch, NIXL/UCX, the model, a 32 MiB cache)
 RSS_GROWTH_BYTES = 128 * 2**20
 WORKERS = ("prefill", "decode", "decode-r", "aggregated")
-PULL_FAILURES = ("LeaseLostError", "PeerGoneError", "TransferTimeoutError", "TransferError",
-                 "HandshakeTimeoutError", "HandshakeError", "AuthError")
+PULL_FAILURES = (
+    "LeaseLostError",
+    "PeerGoneError",
+    "TransferTimeoutError",
+    "TransferError",
+    "HandshakeTimeoutError",
+    "HandshakeError",
+    "AuthError",
+)
 ERROR_CLASS = re.compile(r"\b([A-Z][A-Za-z]*(?:Error|Exception))\b")
 
-PROMPTS = ([f"soak prompt {i}: " + "the quick brown fox jumps over the lazy dog. " * (i % 6)
-            for i in range(16)]
-           + ["Z", "abcdefghijklmno", "0123456789" * 17, "KV blocks move between workers. " * 9,
-              "ünïcödé ✓ " * 11, "def f(x):\n    return x * 2\n" * 5, "a" * 31, "b" * 33])
+PROMPTS = [f"soak prompt {i}: " + "the quick brown fox jumps over the lazy dog. " * (i % 6) for i in range(16)] + [
+    "Z",
+    "abcdefghijklmno",
+    "0123456789" * 17,
+    "KV blocks move between workers. " * 9,
+    "ünïcödé ✓ " * 11,
+    "def f(x):\n    return x * 2\n" * 5,
+    "a" * 31,
+    "b" * 33,
+]
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -162,8 +175,10 @@ class Attacks:
         self.counts: collections.Counter[str] = collections.Counter()
         self.bad: list[str] = []  # anything that must never happen
         self.errors: list[str] = []  # the first attacks that could not be made (reported)
-        self.threads = [threading.Thread(target=self._replays, daemon=True),
-                        threading.Thread(target=self._flood, daemon=True)]
+        self.threads = [
+            threading.Thread(target=self._replays, daemon=True),
+            threading.Thread(target=self._flood, daemon=True),
+        ]
 
     def start(self) -> None:
         for t in self.threads:
@@ -188,13 +203,20 @@ class Attacks:
                 k = self.rng.randrange(len(PROMPTS))
                 urls = self.cluster.urls
                 try:
-                    leg = httpx.post(urls["prefill"] + "/v1/completions", timeout=30, json={
-                        "prompt": PROMPTS[k], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+                    leg = httpx.post(
+                        urls["prefill"] + "/v1/completions",
+                        timeout=30,
+                        json={"prompt": PROMPTS[k], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+                    )
                     if leg.status_code != 200:
                         continue  # (the prefill is restarting)
                     params = leg.json()["kv_transfer_params"]
-                    body = {"prompt": PROMPTS[k], "max_tokens": max_tokens_for(k), "return_token_ids": True,
-                            "kv_transfer_params": params}
+                    body = {
+                        "prompt": PROMPTS[k],
+                        "max_tokens": max_tokens_for(k),
+                        "return_token_ids": True,
+                        "kv_transfer_params": params,
+                    }
                     for name, what in (("decode-r", "first_reads"), ("decode", "replays")):
                         r = httpx.post(urls[name] + "/v1/completions", json=body, timeout=60)
                         self.counts[what] += 1
@@ -206,14 +228,29 @@ class Attacks:
                             self.counts[f"{what}_refused"] += 1
                     port = health(urls["prefill"])["side_channel_port"]
                     for lease_id in (params["remote_lease_id"], f"made-up-{n}"):
-                        for msg in (lease_client.pin("attacker", lease_id, Source(0, (0, 1), 0, 1),
-                                                     params["remote_block_ids"], 5.0, os.urandom(16)),
-                                    lease_client.confirm("attacker", lease_id, Source(0, (0, 1), 0, 1),
-                                                         params["remote_block_ids"], os.urandom(16))):
+                        for msg in (
+                            lease_client.pin(
+                                "attacker",
+                                lease_id,
+                                Source(0, (0, 1), 0, 1),
+                                params["remote_block_ids"],
+                                5.0,
+                                os.urandom(16),
+                            ),
+                            lease_client.confirm(
+                                "attacker",
+                                lease_id,
+                                Source(0, (0, 1), 0, 1),
+                                params["remote_block_ids"],
+                                os.urandom(16),
+                            ),
+                        ):
                             reply = side_request(ctx, "127.0.0.1", port, msg, 5.0, b"")
                             self.counts["forged"] += 1
-                            if isinstance(reply, p.LeaseReply) and reply.state in (p.LeaseState.HELD,
-                                                                                   p.LeaseState.COMPLETED):
+                            if isinstance(reply, p.LeaseReply) and reply.state in (
+                                p.LeaseState.HELD,
+                                p.LeaseState.COMPLETED,
+                            ):
                                 self.bad.append(f"forged token for {lease_id[:12]} answered {reply.state.value}")
                 except (httpx.HTTPError, KeyError, ValueError, KVConnectError) as e:
                     self.counts["attack_errors"] += 1  # (a worker restarting; not a finding)
@@ -255,14 +292,19 @@ class Attacks:
             ctx.term()
 
 
-def one_request(client: httpx.Client, url: str, i: int, rng: random.Random,
-                expected: dict[tuple[int, bool], list[int]]) -> dict[str, Any]:
+def one_request(
+    client: httpx.Client, url: str, i: int, rng: random.Random, expected: dict[tuple[int, bool], list[int]]
+) -> dict[str, Any]:
     """One client: {"kind": correct | wrong | failed | aborted | unclear, ...}."""
     k = rng.randrange(len(PROMPTS))
     chat, stream = rng.random() < CHAT_P, rng.random() < STREAM_P
     abort_after = rng.uniform(0.02, 0.8) if rng.random() < ABORT_P else None
-    body: dict[str, Any] = {"max_tokens": max_tokens_for(k), "temperature": 0, "return_token_ids": True,
-                            "stream": stream}
+    body: dict[str, Any] = {
+        "max_tokens": max_tokens_for(k),
+        "temperature": 0,
+        "return_token_ids": True,
+        "stream": stream,
+    }
     if chat:
         body["messages"] = [{"role": "user", "content": PROMPTS[k]}]
     else:
@@ -330,10 +372,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         pytest.skip("KVCONNECT_SKIP_SLOW set")
     decode_flags = ["--pull-timeout-s", "5", "--handshake-timeout-s", "3"]
     with Cluster(
-        "cross_layer", "blocks_first", decodes=("decode", "decode-r"),
-        extra_args={"prefill": ["--lease-ttl-s", str(TTL_S)],
-                    "decode": ["--failure-policy", "fail", *decode_flags],
-                    "decode-r": ["--failure-policy", "recompute", *decode_flags]},
+        "cross_layer",
+        "blocks_first",
+        decodes=("decode", "decode-r"),
+        extra_args={
+            "prefill": ["--lease-ttl-s", str(TTL_S)],
+            "decode": ["--failure-policy", "fail", *decode_flags],
+            "decode-r": ["--failure-policy", "recompute", *decode_flags],
+        },
         extra_env={"prefill": {"KVCONNECT_FAULT_INJECTION": "1"}},
         log_dir=str(tmp_path_factory.mktemp("soak-logs")),
     ) as c:
@@ -346,6 +392,7 @@ def test_soak_with_random_faults(cluster: Cluster) -> None:
     processes = (*WORKERS, "proxy")
     t_start = time.monotonic()
     with httpx.Client(limits=httpx.Limits(max_connections=64, max_keepalive_connections=64)) as client:
+
         def ref(key: tuple[int, bool]) -> list[int]:
             k, chat = key
             body: dict[str, Any] = {"max_tokens": max_tokens_for(k), "return_token_ids": True}
@@ -353,8 +400,9 @@ def test_soak_with_random_faults(cluster: Cluster) -> None:
                 body["messages"] = [{"role": "user", "content": PROMPTS[k]}]
             else:
                 body["prompt"] = PROMPTS[k]
-            r = client.post(urls["aggregated"] + ("/v1/chat/completions" if chat else "/v1/completions"),
-                            json=body, timeout=120)
+            r = client.post(
+                urls["aggregated"] + ("/v1/chat/completions" if chat else "/v1/completions"), json=body, timeout=120
+            )
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]["token_ids"]  # type: ignore[no-any-return]
 
@@ -391,38 +439,54 @@ def test_soak_with_random_faults(cluster: Cluster) -> None:
         assert not faults.errors, faults.errors[:5]
         kinds = collections.Counter(r["kind"] for r in rows)
         try:
-            poll_until(lambda: all(idle(urls[n]) for n in WORKERS), timeout_s=TTL_S + 30,
-                       what="no block leased, allocated or quarantined anywhere")
+            poll_until(
+                lambda: all(idle(urls[n]) for n in WORKERS),
+                timeout_s=TTL_S + 30,
+                what="no block leased, allocated or quarantined anywhere",
+            )
         except AssertionError as e:
             raise AssertionError(f"{e}: {[health(urls[n]) for n in WORKERS]} {kinds}") from None
         rss_end = {name: cluster.rss_bytes(name) for name in processes}
-        after = [one_request(client, urls["proxy"], NUM_REQUESTS + i, random.Random(i), expected)
-                 for i in range(8)]
+        after = [one_request(client, urls["proxy"], NUM_REQUESTS + i, random.Random(i), expected) for i in range(8)]
         assert all(r["kind"] in ("correct", "aborted") for r in after), [  # recovered: serving again
-            (r["rid"], r["kind"], r.get("error")) for r in after]
+            (r["rid"], r["kind"], r.get("error")) for r in after
+        ]
         samples = faults.killed_samples + [(n, scrape(urls[n])) for n in processes]
 
     failed = [r for r in rows if r["kind"] == "failed"]
     classes = collections.Counter((ERROR_CLASS.findall(r["error"]) or ["?"])[-1] for r in failed)
     latencies = [r["latency_s"] for r in rows if "latency_s" in r]
     report: dict[str, Any] = {
-        "requests": NUM_REQUESTS, "concurrency": CONCURRENCY, "seed": SEED, "outcomes": dict(kinds),
-        "failure_classes": dict(classes), "run_s": round(run_s, 1),
-        "total_s": round(time.monotonic() - t_start, 1), "throughput_rps": round(NUM_REQUESTS / run_s, 1),
-        "p50_latency_s": percentile(latencies, 0.5), "p99_latency_s": percentile(latencies, 0.99),
-        "attacks": dict(attacks.counts), "attack_errors": attacks.errors, "forced_expiries": faults.expired,
+        "requests": NUM_REQUESTS,
+        "concurrency": CONCURRENCY,
+        "seed": SEED,
+        "outcomes": dict(kinds),
+        "failure_classes": dict(classes),
+        "run_s": round(run_s, 1),
+        "total_s": round(time.monotonic() - t_start, 1),
+        "throughput_rps": round(NUM_REQUESTS / run_s, 1),
+        "p50_latency_s": percentile(latencies, 0.5),
+        "p99_latency_s": percentile(latencies, 0.99),
+        "attacks": dict(attacks.counts),
+        "attack_errors": attacks.errors,
+        "forced_expiries": faults.expired,
         "expire_on_read_armed": faults.armed,
         "restarts": faults.restarts,
         "rss_warm_mib": {k: round(v / 2**20) for k, v in rss_warm.items()},
         "rss_end_mib": {k: round(v / 2**20) for k, v in rss_end.items()},
         "recomputed": total(samples, "kvconnect_recomputed_prefills_total"),
         "quarantined_pulls": total(samples, "kvconnect_quarantined_pulls_total"),
-        "pull_failures": {c: total(samples, "kvconnect_nixl_num_failed_transfers_total", reason=c)
-                          for c in PULL_FAILURES},
-        "leases_ended": {o: total(samples, "kvconnect_leases_ended", "prefill", outcome=o)
-                         for o in ("completed", "released", "expired")},
-        "proxy": {o: total(samples, "kvconnect_proxy_requests_total", "proxy", outcome=o)
-                  for o in ("ok", "prefill_failed", "decode_failed", "client_aborted", "bad_request")},
+        "pull_failures": {
+            c: total(samples, "kvconnect_nixl_num_failed_transfers_total", reason=c) for c in PULL_FAILURES
+        },
+        "leases_ended": {
+            o: total(samples, "kvconnect_leases_ended", "prefill", outcome=o)
+            for o in ("completed", "released", "expired")
+        },
+        "proxy": {
+            o: total(samples, "kvconnect_proxy_requests_total", "proxy", outcome=o)
+            for o in ("ok", "prefill_failed", "decode_failed", "client_aborted", "bad_request")
+        },
     }
     print("\nSOAK " + json.dumps(report, indent=1))
     if os.environ.get("KVCONNECT_SOAK_REPORT"):

@@ -54,8 +54,12 @@ MULTI_RAIL = f"""\
 
 def test_parse_reads_only_the_get_rows_and_names_their_transports() -> None:
     rows = parse_proto_tables(USED_TABLES)
-    assert ProtoUse("remote memory read by ucp_get*(multi) into host memory from host", 5, "0..inf", "zero-copy",
-                    "cma/memory") in rows
+    assert (
+        ProtoUse(
+            "remote memory read by ucp_get*(multi) into host memory from host", 5, "0..inf", "zero-copy", "cma/memory"
+        )
+        in rows
+    )
     assert len(rows) == 2  # the active-message row (notifications over tcp) is parsed but is no READ
     assert read_transports(rows) == (("cma",), ("cma/memory",), "zero-copy")
     transports, configs, protocol = read_transports(parse_proto_tables(MULTI_RAIL))
@@ -97,8 +101,13 @@ def test_forced_tcp_is_named_and_refused_only_when_asked() -> None:
 
 def test_cli_prints_json_and_exits_2_when_tcp_is_refused() -> None:
     env = {**os.environ, "UCX_TLS": "tcp"}
-    out = subprocess.run([sys.executable, "-m", "kvconnect.cli", "verdict", "--bytes", str(16 * MiB), "--reps", "2",
-                          "--refuse-tcp"], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvconnect.cli", "verdict", "--bytes", str(16 * MiB), "--reps", "2", "--refuse-tcp"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr
     verdict = json.loads(out.stdout)
     assert verdict["transport"] == "tcp" and verdict["gbps"] > 0 and verdict["bytes"] == 16 * MiB
@@ -107,8 +116,25 @@ def test_cli_prints_json_and_exits_2_when_tcp_is_refused() -> None:
 
 def _serve(tmp_path: Path, env: dict[str, str], *args: str) -> tuple[subprocess.Popen[bytes], str, Path]:
     port, log_path = free_port(), tmp_path / "worker.log"
-    cmd = [sys.executable, "-m", "kvconnect.cli", "--log-level", "INFO", "serve", "--role", "decode", "--host",
-           "127.0.0.1", "--port", str(port), "--side-channel-host", "127.0.0.1", "--num-blocks", "64", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvconnect.cli",
+        "--log-level",
+        "INFO",
+        "serve",
+        "--role",
+        "decode",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--side-channel-host",
+        "127.0.0.1",
+        "--num-blocks",
+        "64",
+        *args,
+    ]
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log_file, stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}", log_path

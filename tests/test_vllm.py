@@ -38,14 +38,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmCluster]:
     ckpt = build(tmp_path_factory.mktemp("tiny-llama"), TinyLlama.named("tiny"))
     decode_extra = {"pull_timeout_s": PULL_TIMEOUT_S, "handshake_timeout_s": 4.0}
     servers = [
-        Server("prefill", kvconnect_config("kv_producer", {"lease_ttl_s": TTL_S}), core=0,
-               env={"UCX_TLS": "tcp"}),  # (over TCP a stopped prefill leaves READs in flight)
+        Server(
+            "prefill", kvconnect_config("kv_producer", {"lease_ttl_s": TTL_S}), core=0, env={"UCX_TLS": "tcp"}
+        ),  # (over TCP a stopped prefill leaves READs in flight)
         Server("decode", kvconnect_config("kv_consumer", decode_extra, failure_policy="fail"), core=1),
         Server("decode-r", kvconnect_config("kv_consumer", decode_extra, failure_policy="recompute"), core=1),
         Server("aggregated", None, core=0),
     ]
-    with VllmCluster(str(ckpt), servers, str(tmp_path_factory.mktemp("vllm-logs")),
-                     proxy_for=("prefill", ["decode"])) as c:
+    with VllmCluster(
+        str(ckpt), servers, str(tmp_path_factory.mktemp("vllm-logs")), proxy_for=("prefill", ["decode"])
+    ) as c:
         yield c
 
 
@@ -94,8 +96,7 @@ def test_disaggregated_vllm_equals_aggregated_for_every_prompt(c: VllmCluster) -
     def one(case: tuple[int, bool, bool]) -> tuple[tuple[int, bool, bool], dict[str, Any], list[int]]:
         tokens, stream, chat = case
         prompt = prompt_of(tokens, seed=tokens)
-        return case, generate(c.urls["proxy"], prompt, MAX_TOKENS, chat=chat, stream=stream), \
-            reference(c, prompt, chat)
+        return case, generate(c.urls["proxy"], prompt, MAX_TOKENS, chat=chat, stream=stream), reference(c, prompt, chat)
 
     with cf.ThreadPoolExecutor(4) as pool:
         results = list(pool.map(one, cases))
@@ -110,8 +111,11 @@ def test_disaggregated_vllm_equals_aggregated_for_every_prompt(c: VllmCluster) -
 
 
 def tokenize(cluster: VllmCluster, text: str) -> list[int]:
-    r = httpx.post(cluster.urls["aggregated"] + "/tokenize", json={"model": "tiny", "prompt": text,
-                                                                    "add_special_tokens": False}, timeout=30)
+    r = httpx.post(
+        cluster.urls["aggregated"] + "/tokenize",
+        json={"model": "tiny", "prompt": text, "add_special_tokens": False},
+        timeout=30,
+    )
     r.raise_for_status()
     return r.json()["tokens"]  # type: ignore[no-any-return]
 
@@ -159,8 +163,10 @@ def refused_as(c: VllmCluster, prompt: str, params: dict[str, Any], field: str) 
     before = metric(c.urls["decode"], "vllm:kvconnect_num_failed_pulls_total", reason=reason)
     got = decode_leg(c, "decode", prompt, params)
     assert got["status"] != 200 and got["token_ids"] is None, (field, got)
-    poll_until(lambda: metric(c.urls["decode"], "vllm:kvconnect_num_failed_pulls_total", reason=reason) == before + 1,
-               what=f"the refusal counted as {reason}")
+    poll_until(
+        lambda: metric(c.urls["decode"], "vllm:kvconnect_num_failed_pulls_total", reason=reason) == before + 1,
+        what=f"the refusal counted as {reason}",
+    )
 
 
 def test_edited_block_ids_are_refused_naming_the_field_and_both_leases_survive(c: VllmCluster) -> None:
@@ -181,8 +187,11 @@ def test_other_edited_params_are_refused_naming_the_field(c: VllmCluster, field:
     params = prefill_leg(c, prompt)
     refused_as(c, prompt, {**params, field: value}, field)
     if field != "remote_port":  # (a refused request still names its lease: it is freed at once, not at the TTL)
-        poll_until(lambda: metric(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome="released")
-                   == released + 1, timeout_s=TTL_S / 2, what="the refused request's lease released")
+        poll_until(
+            lambda: metric(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome="released") == released + 1,
+            timeout_s=TTL_S / 2,
+            what="the refused request's lease released",
+        )
     else:  # a port that names no side channel cannot be released through: the lease is intact, and read
         completed = ended(c)["completed"]
         assert decode_leg(c, "decode", prompt, params)["status"] == 200
@@ -190,8 +199,10 @@ def test_other_edited_params_are_refused_naming_the_field(c: VllmCluster, field:
 
 
 def ended(c: VllmCluster) -> dict[str, float]:
-    return {o: metric(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome=o)
-            for o in ("released", "completed", "expired")}
+    return {
+        o: metric(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome=o)
+        for o in ("released", "completed", "expired")
+    }
 
 
 def stop_group(cluster: VllmCluster, name: str, sig: int) -> None:
@@ -216,20 +227,29 @@ def test_a_decode_abort_frees_the_prefill_blocks(c: VllmCluster) -> None:
     before = ended(c)
     stop_group(c, "prefill", signal.SIGSTOP)
     try:
-        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True,
-                           "kv_transfer_params": params}).encode()
+        body = json.dumps(
+            {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True, "kv_transfer_params": params}
+        ).encode()
         sock = open_request(c.urls["decode"], "/v1/completions", body, "aborted-1")
-        poll_until(lambda: metric(c.urls["decode"], "vllm:num_requests_kv_fetch_by_stage", stage="in_progress") == 1,
-                   what="the pull in flight")
+        poll_until(
+            lambda: metric(c.urls["decode"], "vllm:num_requests_kv_fetch_by_stage", stage="in_progress") == 1,
+            what="the pull in flight",
+        )
         sock.close()  # the client goes away: vLLM aborts the request
-        poll_until(lambda: metric(c.urls["decode"], "vllm:num_requests_waiting") == 0, timeout_s=PULL_TIMEOUT_S,
-                   what="the decode dropped the request")
+        poll_until(
+            lambda: metric(c.urls["decode"], "vllm:num_requests_waiting") == 0,
+            timeout_s=PULL_TIMEOUT_S,
+            what="the decode dropped the request",
+        )
     finally:
         stop_group(c, "prefill", signal.SIGCONT)
     # released by the decode, or completed by the abandoned READ's own notification once the prefill runs
     # again (whichever reaches it first); either way not left to the TTL
-    poll_until(lambda: ended(c)["released"] + ended(c)["completed"] == before["released"] + before["completed"] + 1,
-               timeout_s=TTL_S / 2, what="the prefill lease ended by the decode's side")
+    poll_until(
+        lambda: ended(c)["released"] + ended(c)["completed"] == before["released"] + before["completed"] + 1,
+        timeout_s=TTL_S / 2,
+        what="the prefill lease ended by the decode's side",
+    )
     assert ended(c)["expired"] == before["expired"]
     poll_until(lambda: quiet(c), timeout_s=TTL_S / 2, what="the prefill's blocks free")
 
@@ -265,8 +285,9 @@ def test_the_plugin_refuses_a_bad_setting_naming_it(tmp_path: Path, monkeypatch:
 
     class Cfg:  # the two parts of a VllmConfig the settings read
         def __init__(self, extra: dict[str, Any], tp: int = 1) -> None:
-            self.kv_transfer_config = KVTransferConfig(kv_connector="KVConnectConnector", kv_role="kv_both",
-                                                       kv_connector_extra_config=extra)
+            self.kv_transfer_config = KVTransferConfig(
+                kv_connector="KVConnectConnector", kv_role="kv_both", kv_connector_extra_config=extra
+            )
             self.parallel_config = type("P", (), {"tensor_parallel_size": tp})()
             self.cache_config = type("C", (), {"block_size": 32})()
 

@@ -54,10 +54,8 @@ def test_the_api_reader_reproduces_the_installed_vllm() -> None:
 
 
 def test_features_are_detected_from_names_not_versions() -> None:
-    assert api_of(api_file("0.26.0")) == ConnectorApi(transfer_results=False, cross_layer_blocks=True,
-                                                      sleep_mode=False)
-    assert api_of(api_file("0.32.0")) == ConnectorApi(transfer_results=True, cross_layer_blocks=False,
-                                                      sleep_mode=False)
+    assert api_of(api_file("0.26.0")) == ConnectorApi(transfer_results=False, cross_layer_blocks=True, sleep_mode=False)
+    assert api_of(api_file("0.32.0")) == ConnectorApi(transfer_results=True, cross_layer_blocks=False, sleep_mode=False)
 
 
 @pytest.mark.parametrize("version", ["0.26.0", "0.32.0"])
@@ -69,8 +67,11 @@ def test_every_hook_the_plugin_defines_exists_there_with_the_same_parameters(ver
 
     snapshot = api_file(version)
     api = api_of(snapshot)
-    ours = {name: fn for name, fn in vars(KVConnectConnector).items() if callable(getattr(fn, "__func__", fn))
-            and not name.startswith("_")}
+    ours = {
+        name: fn
+        for name, fn in vars(KVConnectConnector).items()
+        if callable(getattr(fn, "__func__", fn)) and not name.startswith("_")
+    }
     checked = 0
     for name, fn in ours.items():
         flag = OPTIONAL_HOOKS.get(name)

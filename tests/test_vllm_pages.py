@@ -27,8 +27,16 @@ from tests.oracle import plan as full_plan
 PAGE = "vllm:cpu-vec"
 
 
-def vllm_views(order: str, layers: int, blocks: int, heads: int, tokens: int, head_dim: int,
-               dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def vllm_views(
+    order: str,
+    layers: int,
+    blocks: int,
+    heads: int,
+    tokens: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     return packed_views(order, layers, blocks, heads, tokens, head_dim, dtype, seed)
 
 
@@ -40,20 +48,37 @@ def page_of(view: torch.Tensor, block: int) -> bytes:
 
 def described(order: str, heads: int = 4, tp: int = 1, rank: int = 0, blocks: int = 12, seed: int = 0, **kw):
     views, raw = vllm_views(order, 3, blocks, heads, 32, 32, seed=seed)
-    d = describe(views, num_blocks=blocks, block_size=32, tp_size=tp, tp_rank=rank, total_kv_heads=heads * tp,
-                 page=kw.get("page", PAGE))
+    d = describe(
+        views,
+        num_blocks=blocks,
+        block_size=32,
+        tp_size=tp,
+        tp_rank=rank,
+        total_kv_heads=heads * tp,
+        page=kw.get("page", PAGE),
+    )
     return d, views, raw
 
 
-@pytest.mark.parametrize("order,kind,token_layout", [("LBHNC", LayoutKind.BLOCKS_FIRST, "HND"),
-                                                     ("LBNHC", LayoutKind.BLOCKS_FIRST, "NHD"),
-                                                     ("BLHNC", LayoutKind.CROSS_LAYER, "HND"),
-                                                     ("BLNHC", LayoutKind.CROSS_LAYER, "NHD")])
+@pytest.mark.parametrize(
+    "order,kind,token_layout",
+    [
+        ("LBHNC", LayoutKind.BLOCKS_FIRST, "HND"),
+        ("LBNHC", LayoutKind.BLOCKS_FIRST, "NHD"),
+        ("BLHNC", LayoutKind.CROSS_LAYER, "HND"),
+        ("BLNHC", LayoutKind.CROSS_LAYER, "NHD"),
+    ],
+)
 def test_compact_layouts_are_described_from_their_strides(order: str, kind: LayoutKind, token_layout: str) -> None:
     d, views, _ = described(order)
     spec = d.cache.spec
-    assert (spec.kind, spec.token_layout, spec.num_layers, spec.num_kv_heads, spec.head_dim) == \
-        (kind, token_layout, 3, 4, 32)
+    assert (spec.kind, spec.token_layout, spec.num_layers, spec.num_kv_heads, spec.head_dim) == (
+        kind,
+        token_layout,
+        3,
+        4,
+        32,
+    )
     assert d.layout == order and d.layer_names == tuple(sorted(views, key=lambda n: int(n.split(".")[2])))
     assert d.cache.base_addrs()[0] == views[d.layer_names[0]].data_ptr()  # no copy: the engine's own memory
     for block in (0, 5, 11):  # a block's bytes are each layer's page, as the engine wrote them
@@ -131,7 +156,7 @@ def test_tensor_parallel_pairs_move_runs_of_heads() -> None:
         for name in one.layer_names:
             for lid, rid in enumerate(ids):
                 whole = page_of(one_views[name], rid)
-                assert page_of(half_views[name], lid) == whole[rank * 4 * head_page:(rank + 1) * 4 * head_page]
+                assert page_of(half_views[name], lid) == whole[rank * 4 * head_page : (rank + 1) * 4 * head_page]
     back, back_views, _ = described("LBHNC", heads=8, seed=4)  # 2 -> 1: both ranks fill one page
     for rank, (half, _, _) in enumerate(halves):
         src = [s for s in plan_sources(back.cache.spec, 2).reads if s.rank == rank][0]
@@ -178,8 +203,14 @@ def test_a_vllm_shaped_cache_is_pulled_over_nixl_byte_exact() -> None:
         pre.stop()
 
 
-@pytest.mark.parametrize("form,kind", [("blocks_first", LayoutKind.BLOCKS_FIRST), ("kv_first", LayoutKind.KV_FIRST),
-                                       ("cross_layer", LayoutKind.CROSS_LAYER)])
+@pytest.mark.parametrize(
+    "form,kind",
+    [
+        ("blocks_first", LayoutKind.BLOCKS_FIRST),
+        ("kv_first", LayoutKind.KV_FIRST),
+        ("cross_layer", LayoutKind.CROSS_LAYER),
+    ],
+)
 def test_split_kv_tensors_are_kvconnects_own_layouts(form: str, kind: LayoutKind) -> None:
     """5-D tensors with K and V as a dimension of size 2 (FlashInfer, older vLLM): described from their strides
     as kvconnect's native layouts (no page format), over the engine's memory, K and V where the engine has them."""

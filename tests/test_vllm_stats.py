@@ -12,8 +12,9 @@ from kvconnect.vllm.stats import failure_reason  # noqa: E402
 
 def test_a_failure_reason_names_the_field_without_the_clients_list_index() -> None:
     """`remote_block_ids[100]` made one `reason` label value per index a client chose."""
-    reasons = {failure_reason(InvalidRequestError(f"kv_transfer_params.remote_block_ids[{i}]", "bad"))
-               for i in range(100)}
+    reasons = {
+        failure_reason(InvalidRequestError(f"kv_transfer_params.remote_block_ids[{i}]", "bad")) for i in range(100)
+    }
     assert reasons == {"InvalidRequestError(kv_transfer_params.remote_block_ids)"}
     assert failure_reason(InvalidRequestError("x" * 1000, "long")) == f"InvalidRequestError({'x' * 64})"
     assert failure_reason(LeaseLostError("gone")) == "LeaseLostError"

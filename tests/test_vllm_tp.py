@@ -40,17 +40,21 @@ def pairs(tmp_path_factory: pytest.TempPathFactory, prefill_tp: int, decode_tp: 
     prefill = {"side_channel_port": free_port_run(prefill_tp)} if prefill_tp > 1 else {}
     decode = {"side_channel_port": free_port_run(decode_tp)} if decode_tp > 1 else {}
     args = ["--no-enable-prefix-caching"]
-    servers = [Server("prefill", kvconnect_config("kv_producer", prefill), core=0, tensor_parallel=prefill_tp,
-                      args=args),
-               Server("decode", kvconnect_config("kv_consumer", decode), core=2 - decode_tp,
-                      tensor_parallel=decode_tp, args=args)]
-    return VllmCluster(str(ckpt), servers, str(tmp_path_factory.mktemp("vllm-tp-logs")), max_model_len=1024,
-                       dtype=DTYPE)
+    servers = [
+        Server("prefill", kvconnect_config("kv_producer", prefill), core=0, tensor_parallel=prefill_tp, args=args),
+        Server(
+            "decode", kvconnect_config("kv_consumer", decode), core=2 - decode_tp, tensor_parallel=decode_tp, args=args
+        ),
+    ]
+    return VllmCluster(
+        str(ckpt), servers, str(tmp_path_factory.mktemp("vllm-tp-logs")), max_model_len=1024, dtype=DTYPE
+    )
 
 
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
-def test_a_decode_of_another_tp_size_reads_its_heads_from_the_prefill_group(tmp_path_factory, prefill_tp: int,
-                                                                            decode_tp: int) -> None:
+def test_a_decode_of_another_tp_size_reads_its_heads_from_the_prefill_group(
+    tmp_path_factory, prefill_tp: int, decode_tp: int
+) -> None:
     with pairs(tmp_path_factory, prefill_tp, decode_tp) as c:
         for n, seed in PROMPTS:
             prompt = prompt_of(n, seed=seed)
@@ -61,12 +65,15 @@ def test_a_decode_of_another_tp_size_reads_its_heads_from_the_prefill_group(tmp_
             assert got["status"] == 200, got
             # the references: each server's own tokens, computed from the prompt (TP 1 and TP 2 must agree,
             # or the check could not tell a transfer's error from the servers' rounding)
-            refs = {tp: generate(c.urls[name], prompt, MAX_TOKENS)["token_ids"]
-                    for name, tp in (("prefill", prefill_tp), ("decode", decode_tp))}
+            refs = {
+                tp: generate(c.urls[name], prompt, MAX_TOKENS)["token_ids"]
+                for name, tp in (("prefill", prefill_tp), ("decode", decode_tp))
+            }
             assert refs[1] == refs[2], f"TP 1 and TP 2 references disagree on ({n}, {seed}): {refs}"
             assert got["token_ids"] == refs[decode_tp], (n, seed, got["token_ids"], refs)
-        pulls = sum(v for (name, _), v in scrape(c.urls["decode"]).items()
-                    if name == "vllm:kvconnect_pull_time_seconds_count")
+        pulls = sum(
+            v for (name, _), v in scrape(c.urls["decode"]).items() if name == "vllm:kvconnect_pull_time_seconds_count"
+        )
         assert pulls >= len(PROMPTS)
         assert any(Path(c.rpc_dir).iterdir()), "vLLM's IPC sockets belong in the cluster's own directory"
     assert not Path(c.rpc_dir).exists(), "the cluster's IPC socket directory outlived it"

@@ -78,7 +78,8 @@ def parse_layout_pairs(text: str) -> list[tuple[str, str]]:
             if len(sides) != 2 or bad:
                 raise argparse.ArgumentTypeError(
                     f"bad layout pair {part!r}: expected PREFILL:DECODE with layouts from "
-                    f"{', '.join(LAYOUTS)} (or 'same', 'all')")
+                    f"{', '.join(LAYOUTS)} (or 'same', 'all')"
+                )
             out.append((sides[0], sides[1]))
     if not out:
         raise argparse.ArgumentTypeError("no layout pairs given")
@@ -96,7 +97,8 @@ def parse_patterns(text: str) -> list[str]:
             out.append("scattered" if int(m.group(1)) == 1 else part)
         else:
             raise argparse.ArgumentTypeError(
-                f"bad pattern {part!r}: expected contiguous, scattered or runs:K with K >= 1")
+                f"bad pattern {part!r}: expected contiguous, scattered or runs:K with K >= 1"
+            )
     if not out:
         raise argparse.ArgumentTypeError("no pattern given")
     return list(dict.fromkeys(out))
@@ -106,8 +108,7 @@ def parse_transports(text: str) -> list[str]:
     out = [p.strip() for p in text.split(",") if p.strip()]
     bad = [p for p in out if p not in TRANSPORTS]
     if bad or not out:
-        raise argparse.ArgumentTypeError(
-            f"bad transport {','.join(bad) or text!r}: expected {', '.join(TRANSPORTS)}")
+        raise argparse.ArgumentTypeError(f"bad transport {','.join(bad) or text!r}: expected {', '.join(TRANSPORTS)}")
     return list(dict.fromkeys(out))
 
 
@@ -137,7 +138,8 @@ def parse_token_layouts(text: str) -> list[tuple[str, str]]:
         sides = sides * 2 if len(sides) == 1 else sides
         if len(sides) != 2 or any(side not in TOKEN_LAYOUTS for side in sides):
             raise argparse.ArgumentTypeError(
-                f"bad token layout pair {part!r}: expected PREFILL:DECODE from {', '.join(TOKEN_LAYOUTS)}")
+                f"bad token layout pair {part!r}: expected PREFILL:DECODE from {', '.join(TOKEN_LAYOUTS)}"
+            )
         out.append((sides[0], sides[1]))
     if not out:
         raise argparse.ArgumentTypeError("no token layouts given")
@@ -149,15 +151,15 @@ def parse_hetero_paths(text: str) -> list[str]:
     bad = [p for p in out if p not in HETERO_PATHS]
     if bad or not out:
         raise argparse.ArgumentTypeError(
-            f"bad hetero path {','.join(bad) or text!r}: expected {', '.join(HETERO_PATHS)}")
+            f"bad hetero path {','.join(bad) or text!r}: expected {', '.join(HETERO_PATHS)}"
+        )
     return list(dict.fromkeys(out))
 
 
 def parse_ucx(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not _ENV_NAME.match(key):
-        raise argparse.ArgumentTypeError(
-            f"bad --ucx {text!r}: expected UCX_NAME=VALUE, e.g. UCX_TLS=tcp,cma,self")
+        raise argparse.ArgumentTypeError(f"bad --ucx {text!r}: expected UCX_NAME=VALUE, e.g. UCX_TLS=tcp,cma,self")
     return key, value
 
 
@@ -179,59 +181,119 @@ def _cache_factor(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("geometry")
-    g.add_argument("--model", choices=sorted(PRESETS), default=None,
-                   help="geometry preset (default llama-3-8b unless all three of the flags below are given)")
+    g.add_argument(
+        "--model",
+        choices=sorted(PRESETS),
+        default=None,
+        help="geometry preset (default llama-3-8b unless all three of the flags below are given)",
+    )
     g.add_argument("--num-layers", type=_positive_int)
-    g.add_argument("--num-kv-heads", type=_positive_int,
-                   help="the model's KV heads (each TP rank holds heads/tp, or one copy when tp > heads)")
+    g.add_argument(
+        "--num-kv-heads",
+        type=_positive_int,
+        help="the model's KV heads (each TP rank holds heads/tp, or one copy when tp > heads)",
+    )
     g.add_argument("--head-dim", type=_positive_int)
     g.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16")
     g.add_argument("--block-size", type=_positive_int, default=16, help="tokens per paged block (prefill side)")
-    h = parser.add_argument_group("heterogeneous pairs (the bench is decode rank 0, reading each prefill rank it "
-                                  "needs from its own process)")
-    h.add_argument("--tp", type=parse_tp_pairs, default=None, metavar="P:D[,P:D...]",
-                   help="prefill:decode tensor-parallel sizes, comma-separated to compare (default 1:1)")
-    h.add_argument("--decode-block-size", type=_positive_int, default=None,
-                   help="tokens per block on the decode side (default: --block-size)")
-    h.add_argument("--token-layouts", type=parse_token_layouts, default=None, metavar="P:D[,P:D...]",
-                   help="prefill:decode token layout inside a block, NHD or HND (default NHD:NHD)")
-    h.add_argument("--hetero-path", type=parse_hetero_paths, default=None, metavar="PATH[,PATH...]",
-                   help="decode side's hetero_path: auto (default), direct, staging; comma-separated to compare "
-                        "(pairs where the choice changes nothing run once); staging is sized per case")
+    h = parser.add_argument_group(
+        "heterogeneous pairs (the bench is decode rank 0, reading each prefill rank it needs from its own process)"
+    )
+    h.add_argument(
+        "--tp",
+        type=parse_tp_pairs,
+        default=None,
+        metavar="P:D[,P:D...]",
+        help="prefill:decode tensor-parallel sizes, comma-separated to compare (default 1:1)",
+    )
+    h.add_argument(
+        "--decode-block-size",
+        type=_positive_int,
+        default=None,
+        help="tokens per block on the decode side (default: --block-size)",
+    )
+    h.add_argument(
+        "--token-layouts",
+        type=parse_token_layouts,
+        default=None,
+        metavar="P:D[,P:D...]",
+        help="prefill:decode token layout inside a block, NHD or HND (default NHD:NHD)",
+    )
+    h.add_argument(
+        "--hetero-path",
+        type=parse_hetero_paths,
+        default=None,
+        metavar="PATH[,PATH...]",
+        help="decode side's hetero_path: auto (default), direct, staging; comma-separated to compare "
+        "(pairs where the choice changes nothing run once); staging is sized per case",
+    )
     w = parser.add_argument_group("workload")
-    w.add_argument("--tokens", type=parse_tokens, default=None, nargs="+",
-                   help="request length(s) (default 4096): 4096, 256,1024 or 256..4096 (doubling); "
-                        "several make a sweep")
-    w.add_argument("--layouts", type=parse_layout_pairs, default=None,
-                   help="PREFILL:DECODE pairs, comma-separated, e.g. "
-                        "kv_first:kv_first,blocks_first:cross_layer; a bare layout means both sides; "
-                        "'same' (default) or 'all' (nine pairs)")
-    w.add_argument("--pattern", type=parse_patterns, default=None,
-                   help="block ids: contiguous, scattered (default) or runs:K; comma-separated for a sweep")
-    w.add_argument("--cache-factor", type=_cache_factor, default=1.25,
-                   help="each side's cache holds this many times the request's blocks (ids drawn from it)")
+    w.add_argument(
+        "--tokens",
+        type=parse_tokens,
+        default=None,
+        nargs="+",
+        help="request length(s) (default 4096): 4096, 256,1024 or 256..4096 (doubling); several make a sweep",
+    )
+    w.add_argument(
+        "--layouts",
+        type=parse_layout_pairs,
+        default=None,
+        help="PREFILL:DECODE pairs, comma-separated, e.g. "
+        "kv_first:kv_first,blocks_first:cross_layer; a bare layout means both sides; "
+        "'same' (default) or 'all' (nine pairs)",
+    )
+    w.add_argument(
+        "--pattern",
+        type=parse_patterns,
+        default=None,
+        help="block ids: contiguous, scattered (default) or runs:K; comma-separated for a sweep",
+    )
+    w.add_argument(
+        "--cache-factor",
+        type=_cache_factor,
+        default=1.25,
+        help="each side's cache holds this many times the request's blocks (ids drawn from it)",
+    )
     w.add_argument("--reps", type=_positive_int, default=5, help="timed pulls per case")
-    w.add_argument("--warmup", type=_non_negative_int, default=1,
-                   help="untimed pulls per case after the first-contact pull")
+    w.add_argument(
+        "--warmup", type=_non_negative_int, default=1, help="untimed pulls per case after the first-contact pull"
+    )
     w.add_argument("--seed", type=int, default=0)
     m = parser.add_argument_group("memory and transport")
     m.add_argument("--prefill-device", type=parse_device, default="cpu", help="cpu (DRAM) or cuda:N (VRAM)")
     m.add_argument("--decode-device", type=parse_device, default="cpu", help="cpu (DRAM) or cuda:N (VRAM)")
-    m.add_argument("--transport", type=parse_transports, default=["nixl"],
-                   help="nixl (default), ipc (same-host GPU gather kernel) or auto; comma-separated to "
-                        "compare")
-    m.add_argument("--ucx", type=parse_ucx, action="append", default=[], metavar="UCX_KEY=VAL",
-                   help="exported to both processes before NIXL loads (repeatable)")
+    m.add_argument(
+        "--transport",
+        type=parse_transports,
+        default=["nixl"],
+        help="nixl (default), ipc (same-host GPU gather kernel) or auto; comma-separated to compare",
+    )
+    m.add_argument(
+        "--ucx",
+        type=parse_ucx,
+        action="append",
+        default=[],
+        metavar="UCX_KEY=VAL",
+        help="exported to both processes before NIXL loads (repeatable)",
+    )
     m.add_argument("--nixl-threads", type=_non_negative_int, default=0, help="UCX worker threads per agent")
-    m.add_argument("--confirm", action=argparse.BooleanOptionalAction, default=True,
-                   help="lease confirmation round trip before blocks count as usable (default on)")
+    m.add_argument(
+        "--confirm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="lease confirmation round trip before blocks count as usable (default on)",
+    )
     m.add_argument("--pull-timeout", type=float, default=60.0, help="seconds per pull")
     o = parser.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write every figure and the environment as JSON")
-    o.add_argument("--plot", metavar="PATH",
-                   help="write a PNG: GB/s and %% of ceiling vs bytes per descriptor")
-    o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bar on stderr (default: when stderr is a terminal)")
+    o.add_argument("--plot", metavar="PATH", help="write a PNG: GB/s and %% of ceiling vs bytes per descriptor")
+    o.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: when stderr is a terminal)",
+    )
 
 
 def geometry_from_args(args: argparse.Namespace) -> Geometry:
@@ -239,23 +301,30 @@ def geometry_from_args(args: argparse.Namespace) -> Geometry:
     given = {k: v for k, v in explicit.items() if v is not None}
     if args.model is None and given and len(given) < 3:
         missing = ", ".join("--" + k.replace("_", "-") for k in explicit if k not in given)
-        raise ConfigError(
-            f"give --model, or all of --num-layers/--num-kv-heads/--head-dim (missing {missing})")
+        raise ConfigError(f"give --model, or all of --num-layers/--num-kv-heads/--head-dim (missing {missing})")
     model = args.model or ("custom" if given else "llama-3-8b")
     layers, heads, dim = PRESETS.get(model, (0, 0, 0))
     if args.model and given:
         model += " (" + ", ".join(f"{k}={v}" for k, v in given.items()) + ")"
-    return Geometry(model=model, num_layers=given.get("num_layers", layers),
-                    num_kv_heads=given.get("num_kv_heads", heads), head_dim=given.get("head_dim", dim),
-                    dtype=args.dtype, block_size=args.block_size,
-                    decode_block_size=0 if args.decode_block_size in (None, args.block_size) else
-                    args.decode_block_size)
+    return Geometry(
+        model=model,
+        num_layers=given.get("num_layers", layers),
+        num_kv_heads=given.get("num_kv_heads", heads),
+        head_dim=given.get("head_dim", dim),
+        dtype=args.dtype,
+        block_size=args.block_size,
+        decode_block_size=0 if args.decode_block_size in (None, args.block_size) else args.decode_block_size,
+    )
 
 
 def check_tp_pairs(pairs: list[tuple[int, int]], model_kv_heads: int) -> None:
     """ConfigError naming each TP size that cannot split the model's KV heads."""
-    problems = [f"{side} {problem}" for pair in pairs for side, tp in zip(("prefill", "decode"), pair, strict=True)
-                if (problem := tp_problem(model_kv_heads, tp))]
+    problems = [
+        f"{side} {problem}"
+        for pair in pairs
+        for side, tp in zip(("prefill", "decode"), pair, strict=True)
+        if (problem := tp_problem(model_kv_heads, tp))
+    ]
     if problems:
         raise ConfigError("--tp: " + "; ".join(dict.fromkeys(problems)))
 

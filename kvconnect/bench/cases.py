@@ -66,7 +66,7 @@ class CaseKey:
     def label(self) -> str:
         pair = f"{self.prefill_layout}:{self.decode_layout}"
         if (self.tp, self.token_layouts, self.hetero_path) != ((1, 1), ("NHD", "NHD"), "auto"):
-            pair += (f" tp {self.tp[0]}:{self.tp[1]} {':'.join(self.token_layouts)} path {self.hetero_path}")
+            pair += f" tp {self.tp[0]}:{self.tp[1]} {':'.join(self.token_layouts)} path {self.hetero_path}"
         return f"{pair} {self.tokens} tokens {self.pattern} via {self.transport}"
 
 
@@ -106,22 +106,34 @@ class CaseShape:
     def paths(self, hetero_path: str) -> tuple[str, ...]:
         """The path each source takes: hetero.plan_source, as the decode side chooses it at handshake."""
         blocks = self.staging_mb * 2**20 // self.prefill[0].block_bytes
-        return tuple(plan_source(self.decode, self.prefill[s.rank], s, hetero_path, blocks).path.value
-                     for s in self.reads)
+        return tuple(
+            plan_source(self.decode, self.prefill[s.rank], s, hetero_path, blocks).path.value for s in self.reads
+        )
 
 
-def case_shape(geo: Geometry, key: CaseKey, cache_factor: float, prefill_device: str = "cpu",
-               decode_device: str = "cpu") -> CaseShape:
+def case_shape(
+    geo: Geometry, key: CaseKey, cache_factor: float, prefill_device: str = "cpu", decode_device: str = "cpu"
+) -> CaseShape:
     """The specs of a case; the model's KV heads (`geo.num_kv_heads`) split over each side's TP group."""
     (tp_p, tp_d), (order_p, order_d) = key.tp, key.token_layouts
     bs_p, bs_d = geo.block_size, geo.decode_block
 
     def spec(kind: str, tp: int, rank: int, block: int, order: str, device: str) -> CacheSpec:
         blocks = cache_blocks_for(key.pattern, -(-key.tokens // block), cache_factor)
-        return CacheSpec(kind=LayoutKind(kind), dtype=geo.dtype, num_layers=geo.num_layers, num_blocks=blocks,
-                         block_size=block, num_kv_heads=max(geo.num_kv_heads // tp, 1), head_dim=geo.head_dim,
-                         device=device.split(":")[0], tp_size=tp, tp_rank=rank, token_layout=order,
-                         total_kv_heads=geo.num_kv_heads)
+        return CacheSpec(
+            kind=LayoutKind(kind),
+            dtype=geo.dtype,
+            num_layers=geo.num_layers,
+            num_blocks=blocks,
+            block_size=block,
+            num_kv_heads=max(geo.num_kv_heads // tp, 1),
+            head_dim=geo.head_dim,
+            device=device.split(":")[0],
+            tp_size=tp,
+            tp_rank=rank,
+            token_layout=order,
+            total_kv_heads=geo.num_kv_heads,
+        )
 
     decode = spec(key.decode_layout, tp_d, 0, bs_d, order_d, decode_device)
     sources = plan_sources(decode, tp_p)
@@ -138,8 +150,14 @@ def plan_cases(opts: BenchOptions) -> list[CaseKey]:
     seen: set[tuple[CaseKey, tuple[str, ...]]] = set()
     out = []
     for pattern, tokens, transport, tp, orders, path, pair in itertools.product(
-            opts.patterns, opts.tokens, opts.transports, opts.tp_pairs, opts.token_layouts, opts.hetero_paths,
-            opts.layout_pairs):
+        opts.patterns,
+        opts.tokens,
+        opts.transports,
+        opts.tp_pairs,
+        opts.token_layouts,
+        opts.hetero_paths,
+        opts.layout_pairs,
+    ):
         key = CaseKey(pair[0], pair[1], pattern, tokens, transport, (tp[0], tp[1]), (orders[0], orders[1]), path)
         ident = (replace(key, hetero_path=""), case_shape(opts.geometry, key, opts.cache_factor).paths(path))
         if ident not in seen:

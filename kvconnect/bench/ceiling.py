@@ -57,5 +57,9 @@ class CopyCeiling:
         return self.nbytes / min(self._copy() for _ in range(max(tries, 1))) / 1e9
 
     def result(self) -> Ceiling:
-        return Ceiling(kind=self.kind, bytes=self.nbytes, reps_s=self.times_s,
-                       gbps_median=self.nbytes / float(np.median(self.times_s)) / 1e9)
+        return Ceiling(
+            kind=self.kind,
+            bytes=self.nbytes,
+            reps_s=self.times_s,
+            gbps_median=self.nbytes / float(np.median(self.times_s)) / 1e9,
+        )

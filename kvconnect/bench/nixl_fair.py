@@ -39,6 +39,9 @@ class FairNixlConnector(NixlConnector):
         finally:
             base_worker.nixl_agent_config = shipped
         if os.sched_getaffinity(0) != affinity:
-            log.warning("FairNixlConnector: the NIXL worker pinned this thread to %s; restored %s",
-                        sorted(os.sched_getaffinity(0)), sorted(affinity))
+            log.warning(
+                "FairNixlConnector: the NIXL worker pinned this thread to %s; restored %s",
+                sorted(os.sched_getaffinity(0)),
+                sorted(affinity),
+            )
             os.sched_setaffinity(0, affinity)

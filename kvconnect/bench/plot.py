@@ -23,8 +23,13 @@ def _plot_lines(axes: Any, cases: list[CaseResult], tokens: list[int], patterns:
         for j, n in enumerate(tokens):
             line = sorted((c for c in mine if c.tokens == n), key=lambda c: c.bytes_per_desc)
             x = [c.bytes_per_desc for c in line]
-            style = dict(color=color, marker="o", markersize=4 + 2.5 * j if sweep else 6, alpha=0.85,
-                         label=name if j == 0 else None)
+            style = dict(
+                color=color,
+                marker="o",
+                markersize=4 + 2.5 * j if sweep else 6,
+                alpha=0.85,
+                label=name if j == 0 else None,
+            )
             axes[0].plot(x, [c.gbps_median for c in line], **style)
             medians = [c.gbps_median for c in line]
             axes[0].vlines(x, [c.gbps_p90 for c in line], medians, color=color, alpha=0.4)
@@ -32,8 +37,14 @@ def _plot_lines(axes: Any, cases: list[CaseResult], tokens: list[int], patterns:
         for k, pattern in enumerate(patterns if sweep else []):
             line = sorted((c for c in mine if c.pattern == pattern), key=lambda c: c.bytes)
             label = f"{name} {pattern}" if len(patterns) > 1 else name
-            axes[2].plot([c.bytes for c in line], [c.gbps_median for c in line], color=color, marker="o",
-                         ls=("-", "--", ":", "-.")[k % 4], label=label)
+            axes[2].plot(
+                [c.bytes for c in line],
+                [c.gbps_median for c in line],
+                color=color,
+                marker="o",
+                ls=("-", "--", ":", "-.")[k % 4],
+                label=label,
+            )
 
 
 def _point_label(case: CaseResult, pairs: int) -> str:
@@ -55,8 +66,14 @@ def _plot_by_path(axes: Any, cases: list[CaseResult]) -> None:
         for ax, y in ((axes[0], [c.gbps_median for c in mine]), (axes[1], [c.pct_of_ceiling for c in mine])):
             ax.scatter(x, y, color=color, s=30, alpha=0.85, label=path)
             for case, xi, yi in zip(mine, x, y, strict=True):
-                ax.annotate(_point_label(case, pairs), (xi, yi), xytext=(4, 3), textcoords="offset points",
-                            fontsize=6.5, color=color)
+                ax.annotate(
+                    _point_label(case, pairs),
+                    (xi, yi),
+                    xytext=(4, 3),
+                    textcoords="offset points",
+                    fontsize=6.5,
+                    color=color,
+                )
 
 
 def write_plot(report: BenchReport, path: str | Path) -> None:
@@ -104,9 +121,11 @@ def write_plot(report: BenchReport, path: str | Path) -> None:
         axes[2].set_xlabel("request size")
     geo, opts = report.options.geometry, report.options
     block = f"{geo.block_size}" if geo.decode_block == geo.block_size else f"{geo.block_size}->{geo.decode_block}"
-    fig.suptitle(f"kvconnect bench: {geo.model}, {geo.dtype}, block {block}, {','.join(patterns)} "
-                 f"ids, {','.join(map(str, tokens))} tokens, {opts.prefill_device} -> {opts.decode_device}",
-                 fontsize=11)
+    fig.suptitle(
+        f"kvconnect bench: {geo.model}, {geo.dtype}, block {block}, {','.join(patterns)} "
+        f"ids, {','.join(map(str, tokens))} tokens, {opts.prefill_device} -> {opts.decode_device}",
+        fontsize=11,
+    )
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

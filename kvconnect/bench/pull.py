@@ -100,12 +100,19 @@ def token_rows(cache: KVCache, block_ids: np.ndarray, num_tokens: int, layer: in
     """K and V of tokens [0, num_tokens) held in `block_ids` (token order) of one layer, each (tokens, H, D)."""
     idx = torch.as_tensor(block_ids, device=cache.regions[0].device)
     spec = cache.spec
-    return tuple(view.index_select(0, idx).reshape(-1, spec.num_kv_heads, spec.head_dim)[:num_tokens]
-                 for view in cache.kv(layer))
+    return tuple(
+        view.index_select(0, idx).reshape(-1, spec.num_kv_heads, spec.head_dim)[:num_tokens] for view in cache.kv(layer)
+    )
 
 
-def verify_tokens(local: KVCache, local_ids: np.ndarray, shadows: dict[int, KVCache], sources: Sequence[Source],
-                  remote_ids: np.ndarray, num_tokens: int) -> int:
+def verify_tokens(
+    local: KVCache,
+    local_ids: np.ndarray,
+    shadows: dict[int, KVCache],
+    sources: Sequence[Source],
+    remote_ids: np.ndarray,
+    num_tokens: int,
+) -> int:
     """Compare tokens [0, n) of every KV head of the local rank with the prefill rank each was read from
     (`shadows`, by rank, hold the same block ids), as raw bytes; returns bytes checked.
 
@@ -124,15 +131,16 @@ def verify_tokens(local: KVCache, local_ids: np.ndarray, shadows: dict[int, KVCa
             (lo, hi), lo_r = src.heads, shadow.spec.head_range()[0]
             want_kv = token_rows(shadow, remote_ids, num_tokens, layer)
             for half, got_t, want_t in zip("KV", got_kv, want_kv, strict=True):
-                got = got_t[:, lo - lo_d:hi - lo_d].contiguous().view(torch.uint8)
-                want = want_t[:, lo - lo_r:hi - lo_r].to(dev).contiguous().view(torch.uint8)
+                got = got_t[:, lo - lo_d : hi - lo_d].contiguous().view(torch.uint8)
+                want = want_t[:, lo - lo_r : hi - lo_r].to(dev).contiguous().view(torch.uint8)
                 if not torch.equal(got, want):
                     bad = (got != want).flatten(1).any(1).nonzero().flatten()
                     t = int(bad[0])
                     raise TransferError(
                         f"pulled bytes differ: token {t} (local block {int(local_ids[t // local.spec.block_size])} "
                         f"<- prefill rank {src.rank} block {int(remote_ids[t // shadow.spec.block_size])}), layer "
-                        f"{layer} {half}, heads [{lo},{hi}) ({int(bad.numel())} of {num_tokens} tokens differ)")
+                        f"{layer} {half}, heads [{lo},{hi}) ({int(bad.numel())} of {num_tokens} tokens differ)"
+                    )
                 checked += got.numel()
     return checked
 
@@ -159,8 +167,15 @@ def rank_seed(fill_seed: int, rank: int) -> int:
 class DecodeCase:
     """Pulls of one case over a fresh decode connector; `pull_once` is one verified request."""
 
-    def __init__(self, peers: dict[int, PrefillProcess], shape: CaseShape, fill_seed: int, device: str,
-                 config: ConnectorConfig, label: str) -> None:
+    def __init__(
+        self,
+        peers: dict[int, PrefillProcess],
+        shape: CaseShape,
+        fill_seed: int,
+        device: str,
+        config: ConnectorConfig,
+        label: str,
+    ) -> None:
         self.peers = peers  # by prefill rank
         self.shape = shape
         self.device = device
@@ -176,7 +191,8 @@ class DecodeCase:
         self.shadows = {}
         for src in shape.reads:
             self.shadows[src.rank] = KVCache.allocate(
-                msgspec.structs.replace(shape.prefill[src.rank], device=shape.decode.device), device)
+                msgspec.structs.replace(shape.prefill[src.rank], device=shape.decode.device), device
+            )
             self.shadows[src.rank].fill_pattern(seeds[src.rank])
         self.local = KVCache.allocate(shape.decode, device)
         for peer in peers.values():
@@ -201,8 +217,9 @@ class DecodeCase:
         if self.shape.plain:
             checked = verify(self.local, self.shadows[0], local_ids, remote_ids)
         else:
-            checked = verify_tokens(self.local, local_ids, self.shadows, self.shape.reads, remote_ids,
-                                    self.shape.tokens)
+            checked = verify_tokens(
+                self.local, local_ids, self.shadows, self.shape.reads, remote_ids, self.shape.tokens
+            )
         return PullOutcome(stats, checked, _scatter_s(handle))
 
     def _end_leases(self, request_id: str) -> None:
@@ -213,13 +230,15 @@ class DecodeCase:
             if src.readers == 1:
                 state = self.peers[src.rank].settle(request_id, self.timeout_s)
                 if state != "completed":
-                    raise TransferError(f"pull {request_id}: prefill rank {src.rank}'s lease ended {state}, "
-                                        "not completed")
+                    raise TransferError(
+                        f"pull {request_id}: prefill rank {src.rank}'s lease ended {state}, not completed"
+                    )
         for rank, peer in self.peers.items():
             state, held = peer.release(request_id)
             if held or state not in ("completed", "released"):
-                raise TransferError(f"pull {request_id}: prefill rank {rank} still leases {held} blocks after "
-                                    f"release (lease {state})")
+                raise TransferError(
+                    f"pull {request_id}: prefill rank {rank} still leases {held} blocks after release (lease {state})"
+                )
 
     def close(self) -> None:
         self.connector.close()
@@ -227,8 +246,14 @@ class DecodeCase:
 
 def rep_result(outcome: PullOutcome) -> RepResult:
     stats = outcome.stats
-    return RepResult(post_s=stats.post_s, transfer_s=stats.transfer_s, confirm_s=stats.confirm_s,
-                     total_s=stats.total_s, num_descs_merged=stats.num_descs_merged, scatter_s=outcome.scatter_s)
+    return RepResult(
+        post_s=stats.post_s,
+        transfer_s=stats.transfer_s,
+        confirm_s=stats.confirm_s,
+        total_s=stats.total_s,
+        num_descs_merged=stats.num_descs_merged,
+        scatter_s=outcome.scatter_s,
+    )
 
 
 def _draws(opts: BenchOptions, key: CaseKey, shape: CaseShape) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -253,17 +278,22 @@ def _check_pulls(index: int, key: CaseKey, shape: CaseShape, first: PullStats, t
     want_path = "+".join(sorted(set(shape.paths(key.hetero_path))))
     paths, sources = {s.path for s in timed}, {s.num_sources for s in timed}
     if paths != {want_path} or sources != {len(shape.reads)}:
-        raise KVConnectError(f"case {index}: expected path {want_path} from {len(shape.reads)} prefill ranks, "
-                             f"pulls used {sorted(paths)} from {sorted(sources)}")
+        raise KVConnectError(
+            f"case {index}: expected path {want_path} from {len(shape.reads)} prefill ranks, "
+            f"pulls used {sorted(paths)} from {sorted(sources)}"
+        )
     moved = {s.bytes for s in timed}
     if len(moved) != 1 or (shape.plain and moved != {shape.useful_bytes}) or min(moved) < shape.useful_bytes:
-        raise KVConnectError(f"case {index}: pulls moved {sorted(moved)} bytes, expected "
-                             f"{'' if shape.plain else 'one figure, at least '}{shape.useful_bytes}")
+        raise KVConnectError(
+            f"case {index}: pulls moved {sorted(moved)} bytes, expected "
+            f"{'' if shape.plain else 'one figure, at least '}{shape.useful_bytes}"
+        )
     return moved.pop()
 
 
-def measure_case(group: PrefillGroup, opts: BenchOptions, index: int, key: CaseKey, config: ConnectorConfig,
-                 tick: Callable[[], None]) -> CaseResult:
+def measure_case(
+    group: PrefillGroup, opts: BenchOptions, index: int, key: CaseKey, config: ConnectorConfig, tick: Callable[[], None]
+) -> CaseResult:
     """First-contact pull, warm-up pulls, then timed pulls each followed by one ceiling copy; every
     pull verified byte for byte, and every prefill rank's lease ended after it."""
     geo = opts.geometry
@@ -271,10 +301,20 @@ def measure_case(group: PrefillGroup, opts: BenchOptions, index: int, key: CaseK
     draws = _draws(opts, key, shape)
     ceiling = CopyCeiling(shape.useful_bytes, opts.prefill_device, opts.decode_device)
     peers = dict(zip(sorted(shape.prefill), group.take(len(shape.prefill)), strict=True))
-    cfg = msgspec.structs.replace(config, transport=TransportChoice(key.transport),
-                                  hetero_path=HeteroPathChoice(key.hetero_path), staging_mb=shape.staging_mb)
-    case = DecodeCase(peers, shape, fill_seed=opts.seed * 7919 + index + 1, device=opts.decode_device,
-                      config=cfg, label=f"bench-{index}")
+    cfg = msgspec.structs.replace(
+        config,
+        transport=TransportChoice(key.transport),
+        hetero_path=HeteroPathChoice(key.hetero_path),
+        staging_mb=shape.staging_mb,
+    )
+    case = DecodeCase(
+        peers,
+        shape,
+        fill_seed=opts.seed * 7919 + index + 1,
+        device=opts.decode_device,
+        config=cfg,
+        label=f"bench-{index}",
+    )
     outcomes = []
     try:
         for i, (local_ids, remote_ids) in enumerate(draws):
@@ -284,19 +324,40 @@ def measure_case(group: PrefillGroup, opts: BenchOptions, index: int, key: CaseK
             tick()
     finally:
         case.close()
-    first, timed = outcomes[0].stats, outcomes[1 + opts.warmup:]
+    first, timed = outcomes[0].stats, outcomes[1 + opts.warmup :]
     moved = _check_pulls(index, key, shape, first, [o.stats for o in timed])
     hetero = HeteroFields(
-        prefill_tp=key.tp[0], decode_tp=key.tp[1], prefill_token_layout=key.token_layouts[0],
-        decode_token_layout=key.token_layouts[1], prefill_block_size=geo.block_size,
-        decode_block_size=geo.decode_block, hetero_path=key.hetero_path, path=timed[0].stats.path,
-        num_sources=len(shape.reads), prefill_ranks=len(peers), staging_mb=shape.staging_mb)
+        prefill_tp=key.tp[0],
+        decode_tp=key.tp[1],
+        prefill_token_layout=key.token_layouts[0],
+        decode_token_layout=key.token_layouts[1],
+        prefill_block_size=geo.block_size,
+        decode_block_size=geo.decode_block,
+        hetero_path=key.hetero_path,
+        path=timed[0].stats.path,
+        num_sources=len(shape.reads),
+        prefill_ranks=len(peers),
+        staging_mb=shape.staging_mb,
+    )
     return summarize_case(
-        prefill_layout=key.prefill_layout, decode_layout=key.decode_layout, tokens=key.tokens,
-        pattern=key.pattern, transport=key.transport, transport_used=timed[0].stats.transport,
-        num_blocks=shape.num_blocks[0], cache_blocks=shape.prefill[0].num_blocks, total_bytes=moved,
-        granularity=first.granularity, num_descs=first.num_descs, first_contact_s=first.handshake_s,
-        first_pull_total_s=first.total_s, reps=[rep_result(o) for o in timed], ceiling=ceiling.result(),
-        verified_pulls=len(outcomes), verified_bytes=sum(o.verified_bytes for o in outcomes),
-        load_1m=os.getloadavg()[0], useful_bytes=shape.useful_bytes, hetero=hetero,
+        prefill_layout=key.prefill_layout,
+        decode_layout=key.decode_layout,
+        tokens=key.tokens,
+        pattern=key.pattern,
+        transport=key.transport,
+        transport_used=timed[0].stats.transport,
+        num_blocks=shape.num_blocks[0],
+        cache_blocks=shape.prefill[0].num_blocks,
+        total_bytes=moved,
+        granularity=first.granularity,
+        num_descs=first.num_descs,
+        first_contact_s=first.handshake_s,
+        first_pull_total_s=first.total_s,
+        reps=[rep_result(o) for o in timed],
+        ceiling=ceiling.result(),
+        verified_pulls=len(outcomes),
+        verified_bytes=sum(o.verified_bytes for o in outcomes),
+        load_1m=os.getloadavg()[0],
+        useful_bytes=shape.useful_bytes,
+        hetero=hetero,
     )

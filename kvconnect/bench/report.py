@@ -61,8 +61,12 @@ class BenchOptions(msgspec.Struct, frozen=True):
     @property
     def hetero(self) -> bool:
         """True when any option asks for a heterogeneous pair (the table then shows their columns)."""
-        return (self.tp_pairs != [(1, 1)] or self.token_layouts != [("NHD", "NHD")] or self.hetero_paths != ["auto"]
-                or self.geometry.decode_block != self.geometry.block_size)
+        return (
+            self.tp_pairs != [(1, 1)]
+            or self.token_layouts != [("NHD", "NHD")]
+            or self.hetero_paths != ["auto"]
+            or self.geometry.decode_block != self.geometry.block_size
+        )
 
 
 class RepResult(msgspec.Struct, frozen=True):
@@ -149,8 +153,12 @@ class CaseResult(msgspec.Struct, frozen=True):
 
     @property
     def hetero(self) -> bool:
-        return (self.tp != "1:1" or self.prefill_token_layout != self.decode_token_layout or self.path != "block"
-                or self.prefill_block_size != (self.decode_block_size or self.prefill_block_size))
+        return (
+            self.tp != "1:1"
+            or self.prefill_token_layout != self.decode_token_layout
+            or self.path != "block"
+            or self.prefill_block_size != (self.decode_block_size or self.prefill_block_size)
+        )
 
     @property
     def series(self) -> str:

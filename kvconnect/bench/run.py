@@ -72,8 +72,9 @@ def exported(env: dict[str, str]) -> Iterator[None]:
 
 def transport_env() -> dict[str, str]:
     """The variables that shape NIXL/UCX (no hostnames, no secrets)."""
-    return {k: v for k, v in sorted(os.environ.items())
-            if k.startswith(("UCX_", "NIXL_")) or k == "CUDA_VISIBLE_DEVICES"}
+    return {
+        k: v for k, v in sorted(os.environ.items()) if k.startswith(("UCX_", "NIXL_")) or k == "CUDA_VISIBLE_DEVICES"
+    }
 
 
 def system_info(opts: BenchOptions) -> dict[str, str]:
@@ -121,7 +122,7 @@ def _cpu_model() -> str:
 
 def _invoked_command() -> list[str]:
     argv = sys.argv[1:]
-    return ["kvconnect", *argv[argv.index("bench"):]] if "bench" in argv else []
+    return ["kvconnect", *argv[argv.index("bench") :]] if "bench" in argv else []
 
 
 def run_bench(opts: BenchOptions, command: list[str] | None = None) -> BenchReport:
@@ -136,17 +137,26 @@ def run_bench(opts: BenchOptions, command: list[str] | None = None) -> BenchRepo
     if opts.decode_device.startswith("cuda"):
         torch.cuda.set_device(torch.device(opts.decode_device))  # before the connector exists
     exporting = "nixl" if opts.transports == ["nixl"] else "auto"  # prefill: offer CUDA IPC handles?
-    decode_cfg = ConnectorConfig(engine_id="bench-decode", side_channel_host="127.0.0.1",
-                                 confirm_reads=opts.confirm, nixl_threads=opts.nixl_threads,
-                                 pull_timeout_s=opts.pull_timeout_s,
-                                 lease_ttl_s=max(60.0, 2 * opts.pull_timeout_s))
+    decode_cfg = ConnectorConfig(
+        engine_id="bench-decode",
+        side_channel_host="127.0.0.1",
+        confirm_reads=opts.confirm,
+        nixl_threads=opts.nixl_threads,
+        pull_timeout_s=opts.pull_timeout_s,
+        lease_ttl_s=max(60.0, 2 * opts.pull_timeout_s),
+    )
     prefill_cfg = msgspec.structs.replace(decode_cfg, engine_id="bench-prefill", transport=exporting)
     check_tp_pairs(opts.tp_pairs, opts.geometry.num_kv_heads)
     cases = plan_cases(opts)
     report = BenchReport(SCHEMA, command or [], opts, transport_env(), system_info(opts))
     pulls_per_case = 1 + opts.warmup + opts.reps
-    bar = tqdm(total=len(cases) * pulls_per_case, unit="pull", file=sys.stderr, dynamic_ncols=True,
-               disable=(not sys.stderr.isatty()) if opts.progress is None else not opts.progress)
+    bar = tqdm(
+        total=len(cases) * pulls_per_case,
+        unit="pull",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        disable=(not sys.stderr.isatty()) if opts.progress is None else not opts.progress,
+    )
     group = PrefillGroup(transport_env(), opts.prefill_device, prefill_cfg)
     try:
         group.take(1)
@@ -154,8 +164,16 @@ def run_bench(opts: BenchOptions, command: list[str] | None = None) -> BenchRepo
             bar.set_postfix_str(key.label)
             case = measure_case(group, opts, index, key, decode_cfg, lambda: bar.update(1))
             report.cases.append(case)
-            log.info("%s: %.2f GB/s (%.0f%% of %.2f), %d descs -> %d, path %s", key.label, case.gbps_median,
-                     case.pct_of_ceiling, case.ceiling.gbps_median, case.num_descs, case.num_descs_merged, case.path)
+            log.info(
+                "%s: %.2f GB/s (%.0f%% of %.2f), %d descs -> %d, path %s",
+                key.label,
+                case.gbps_median,
+                case.pct_of_ceiling,
+                case.ceiling.gbps_median,
+                case.num_descs,
+                case.num_descs_merged,
+                case.path,
+            )
     finally:
         bar.close()
         group.stop()

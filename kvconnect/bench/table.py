@@ -108,15 +108,18 @@ def format_table(report: BenchReport) -> str:
     env = report.environment
     hetero = opts.hetero or any(c.hetero for c in report.cases)
     cols = columns(hetero)
-    block = f"block {geo.block_size}" if geo.decode_block == geo.block_size else \
-        f"block {geo.block_size} (prefill) / {geo.decode_block} (decode)"
+    block = (
+        f"block {geo.block_size}"
+        if geo.decode_block == geo.block_size
+        else f"block {geo.block_size} (prefill) / {geo.decode_block} (decode)"
+    )
     lines = [
         f"kvconnect bench: {geo.model} ({geo.num_layers} layers, {geo.num_kv_heads} kv heads, head_dim "
         f"{geo.head_dim}, {geo.dtype}), {block} tokens; {opts.prefill_device} -> "
         f"{opts.decode_device}; reps {opts.reps} (+{opts.warmup} warm-up); confirm "
         f"{'on' if opts.confirm else 'off'}; nixl threads {opts.nixl_threads}",
-        "env: " + (" ".join(f"{k}={v}" for k, v in sorted(env.items()) if k.startswith(("UCX_", "NIXL_")))
-                   or "(UCX defaults)"),
+        "env: "
+        + (" ".join(f"{k}={v}" for k, v in sorted(env.items()) if k.startswith(("UCX_", "NIXL_"))) or "(UCX defaults)"),
         "",
         _row([h for h, _, _ in cols], cols),
     ]
@@ -126,8 +129,9 @@ def format_table(report: BenchReport) -> str:
     loads = [c.load_1m for c in report.cases]
     lines += [
         "",
-        *textwrap.wrap(_LEGEND.format(ceiling=report.cases[0].ceiling.kind if report.cases else "-"), 100,
-                      break_on_hyphens=False),
+        *textwrap.wrap(
+            _LEGEND.format(ceiling=report.cases[0].ceiling.kind if report.cases else "-"), 100, break_on_hyphens=False
+        ),
         *(textwrap.wrap(_HETERO_LEGEND, 100, break_on_hyphens=False) if hetero else []),
         f"verified: {verified} pulls, {verified_gib:.2f} GiB, byte-exact.",
         f"load average (1 min, at the end of each case; this run's own processes add about 2): "

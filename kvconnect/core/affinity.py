@@ -28,8 +28,13 @@ def place_current_thread(cpus: frozenset[int], what: str) -> bool:
         os.sched_setaffinity(0, cpus)
         return True
     except (OSError, AttributeError) as e:  # (no CPU of the list is allowed here; or not Linux)
-        log.warning("%s stays on CPUs %s: cannot move it to %s: %s", what,
-                    sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "?", sorted(cpus), e)
+        log.warning(
+            "%s stays on CPUs %s: cannot move it to %s: %s",
+            what,
+            sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "?",
+            sorted(cpus),
+            e,
+        )
         return False
 
 

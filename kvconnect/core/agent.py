@@ -207,9 +207,7 @@ class NixlAgent:
     ) -> XferHandle:
         """Create a READ of remote descriptors into local ones; post it with `post`."""
         try:
-            h = self._agent.make_prepped_xfer(
-                "READ", local.handle, local_indices, remote.handle, remote_indices, notif
-            )
+            h = self._agent.make_prepped_xfer("READ", local.handle, local_indices, remote.handle, remote_indices, notif)
         except Exception as e:
             raise _wrap(e, "make_prepped_xfer") from e
         xfer = XferHandle(h)

@@ -38,9 +38,7 @@ class KVCache:
         if dev.type != spec.device:
             raise LayoutError(f"spec says device {spec.device!r} but allocation asked for {dev}")
         dtype = TORCH_DTYPES[spec.torch_dtype_name]
-        regions = tuple(
-            torch.zeros(spec.region_shape(), dtype=dtype, device=dev) for _ in range(spec.num_regions)
-        )
+        regions = tuple(torch.zeros(spec.region_shape(), dtype=dtype, device=dev) for _ in range(spec.num_regions))
         return cls(spec, regions)
 
     @classmethod
@@ -112,9 +110,7 @@ class KVCache:
 
     def logical(self) -> torch.Tensor:
         """A (num_blocks, num_layers, 2, block_size, H, D) copy, identical for every layout."""
-        return torch.stack(
-            [torch.stack(self.kv(layer), dim=1) for layer in range(self.spec.num_layers)], dim=1
-        )
+        return torch.stack([torch.stack(self.kv(layer), dim=1) for layer in range(self.spec.num_layers)], dim=1)
 
     def fill_pattern(self, seed: int) -> None:
         """Fill every byte with a seeded random pattern (tests and the benchmark)."""

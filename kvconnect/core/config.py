@@ -91,8 +91,10 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
                 with open(self.secret_file) as f:
                     self.secret = f.read().strip()
             except OSError as e:
-                raise ConfigError(f"secret_file {self.secret_file!r} (KVCONNECT_SECRET_FILE, --secret-file) cannot be "
-                                  f"read: {e.strerror}") from e
+                raise ConfigError(
+                    f"secret_file {self.secret_file!r} (KVCONNECT_SECRET_FILE, --secret-file) cannot be "
+                    f"read: {e.strerror}"
+                ) from e
             if not self.secret:
                 raise ConfigError(f"secret_file {self.secret_file!r} is empty")
         parse_allowlist(self.peer_allowlist)  # (ConfigError names a bad entry)
@@ -113,7 +115,8 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
                 f"side_channel_host {self.side_channel_host!r} is not a loopback address and no secret is set: anyone "
                 "who reaches it would get this cache's NIXL metadata and could release its leases. Set a secret "
                 "(KVCONNECT_SECRET, --secret-file, KVCONNECT_SECRET_FILE), or opt out on a trusted network with "
-                "KVCONNECT_INSECURE_SIDE_CHANNEL=1 (--insecure-side-channel)")
+                "KVCONNECT_INSECURE_SIDE_CHANNEL=1 (--insecure-side-channel)"
+            )
         if not 0 <= self.side_channel_port < 65536:
             raise ConfigError(f"side_channel_port {self.side_channel_port} is not a TCP port")
         for name in ("lease_ttl_s", "handshake_timeout_s", "pull_timeout_s", "poll_interval_s", "verdict_timeout_s"):
@@ -138,8 +141,10 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
         return parse_cpu_list(self.loop_cpus)
 
     def __repr__(self) -> str:  # (the secret never reaches a log line through a repr)
-        fields = ", ".join(f"{name}={'<hidden>' if name == 'secret' and value else repr(value)}"
-                           for name, value in ((n, getattr(self, n)) for n in self.__struct_fields__))
+        fields = ", ".join(
+            f"{name}={'<hidden>' if name == 'secret' and value else repr(value)}"
+            for name, value in ((n, getattr(self, n)) for n in self.__struct_fields__)
+        )
         return f"ConnectorConfig({fields})"
 
     @property
@@ -170,7 +175,7 @@ def env_overrides(environ: Mapping[str, str] | None = None, fields: tuple[str, .
     out = {}
     for key, value in env.items():
         if key.startswith(ENV_PREFIX):
-            name = key[len(ENV_PREFIX):].lower()
+            name = key[len(ENV_PREFIX) :].lower()
             if fields is None or name in fields:
                 out[name] = value
     return out
@@ -197,8 +202,11 @@ def _setting_problem(error: msgspec.ValidationError, raw: Mapping[str, object]) 
         return f"invalid kvconnect setting: {error}"
     reason, name = m.groups()
     kind = ConnectorConfig.__annotations__.get(name, "")
-    choices: dict[str, type[enum.Enum]] = {"TransportChoice": TransportChoice, "HeteroPathChoice": HeteroPathChoice,
-                                           "FailurePolicy": FailurePolicy}
+    choices: dict[str, type[enum.Enum]] = {
+        "TransportChoice": TransportChoice,
+        "HeteroPathChoice": HeteroPathChoice,
+        "FailurePolicy": FailurePolicy,
+    }
     allowed = choices.get(str(kind))
     what = f"one of {[x.value for x in allowed]}" if allowed else str(kind).replace("'", "")
     given = "the value given" if name == "secret" else repr(raw.get(name))  # (a secret is never echoed)

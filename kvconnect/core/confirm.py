@@ -40,8 +40,10 @@ def refusal(pull: Pull, reply: p.LeaseReply) -> KVConnectError | None:
     """The error a PIN or CONFIRM refused for the blocks it named means. It reads like any other lost lease
     (LeaseLostError): whether the params named a live lease's other blocks is not for a client to learn."""
     if reply.reason.startswith(BLOCKS_REFUSED):
-        return LeaseLostError(f"pull {pull.handle.request_id}: the prefill refused kv_transfer_params."
-                              f"remote_block_ids: {reply.reason.removeprefix(BLOCKS_REFUSED).strip()}")
+        return LeaseLostError(
+            f"pull {pull.handle.request_id}: the prefill refused kv_transfer_params."
+            f"remote_block_ids: {reply.reason.removeprefix(BLOCKS_REFUSED).strip()}"
+        )
     return None
 
 
@@ -51,8 +53,13 @@ def lease_problem(reply: p.LeaseReply) -> str:
 
 
 class LeaseConfirmation:
-    def __init__(self, config: ConnectorConfig, engine_id: str, succeed: Callable[[Pull], None],
-                 fail: Callable[[Pull, KVConnectError], None]) -> None:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        engine_id: str,
+        succeed: Callable[[Pull], None],
+        fail: Callable[[Pull, KVConnectError], None],
+    ) -> None:
         self._config = config
         self._engine_id = engine_id
         self._succeed = succeed
@@ -79,8 +86,9 @@ class LeaseConfirmation:
         pin_s = max(pull.deadline_s - now, 0.001)
         pull.pin_until_s = now + pin_s  # the prefill pins from when it gets this, so at least until then
         pull.pin = PinState.SENT
-        msg = lease_client.pin(self._engine_id, pull.lease_id, pull.source, pull.remote_block_ids, pin_s,
-                               pull.read_token)
+        msg = lease_client.pin(
+            self._engine_id, pull.lease_id, pull.source, pull.remote_block_ids, pin_s, pull.read_token
+        )
         peer.confirming[p.ref_of(msg)] = pull
         peer.channel.send(msg)
 
@@ -96,11 +104,16 @@ class LeaseConfirmation:
     def answer(self, peer: Peer, pull: Pull, reply: p.LeaseReply | HandshakeError) -> None:
         """The prefill's answer to this pull's PIN or CONFIRM."""
         refused = refusal(pull, reply) if isinstance(reply, p.LeaseReply) else None
-        if isinstance(reply, p.LeaseReply) and peer.info is not None and reply.incarnation_id not in (
-                "", peer.info.incarnation_id):  # another process on the same address answered
-            refused = LeaseLostError(f"pull {pull.handle.request_id}: prefill engine {peer.engine_id} restarted "
-                                     f"(incarnation {reply.incarnation_id[:12]} answered, not "
-                                     f"{peer.info.incarnation_id[:12]}); data discarded")
+        if (
+            isinstance(reply, p.LeaseReply)
+            and peer.info is not None
+            and reply.incarnation_id not in ("", peer.info.incarnation_id)
+        ):  # another process on the same address answered
+            refused = LeaseLostError(
+                f"pull {pull.handle.request_id}: prefill engine {peer.engine_id} restarted "
+                f"(incarnation {reply.incarnation_id[:12]} answered, not "
+                f"{peer.info.incarnation_id[:12]}); data discarded"
+            )
         if refused is not None:
             self._fail(pull, refused)
             return
@@ -122,8 +135,13 @@ class LeaseConfirmation:
             pull.handle.stats.confirm_s = time.monotonic() - pull.read_done_s
             self._succeed(pull)
         else:
-            self._fail(pull, LeaseLostError(f"pull {pull.handle.request_id}: prefill lease was "
-                                            f"{lease_problem(reply)} when the read finished; data discarded"))
+            self._fail(
+                pull,
+                LeaseLostError(
+                    f"pull {pull.handle.request_id}: prefill lease was "
+                    f"{lease_problem(reply)} when the read finished; data discarded"
+                ),
+            )
 
     def _not_granted_yet(self, peer: Peer, pull: Pull, reply: p.LeaseReply) -> bool:
         """The prefill has never seen this lease but may still grant it (its handshake said how late): ask
@@ -163,8 +181,13 @@ class LeaseConfirmation:
             self._fail(pull, PeerGoneError(f"engine {pull.remote_engine_id} dropped before confirmation"))
             return
         if pull.pin is PinState.LOST:
-            self._fail(pull, LeaseLostError(f"pull {pull.handle.request_id}: prefill lease was {pull.pin_error} "
-                                            "before the read was pinned; data discarded"))
+            self._fail(
+                pull,
+                LeaseLostError(
+                    f"pull {pull.handle.request_id}: prefill lease was {pull.pin_error} "
+                    "before the read was pinned; data discarded"
+                ),
+            )
             return
         src = pull.source
         assert src is not None

@@ -88,9 +88,14 @@ class KVConnector:
             )
             self.side_channel_port = self._server.port
             self._ipc_problem = ""  # why the IPC gather cannot run here ("" = it can, as far as we know)
-            self._decode = DecodeSide(PeerSet(self._agent, cache, config, self._ctx, secret, lambda: self._ipc_problem),
-                                      cache, config,
-                                      self.engine_id, self._counters, self._pull_done)
+            self._decode = DecodeSide(
+                PeerSet(self._agent, cache, config, self._ctx, secret, lambda: self._ipc_problem),
+                cache,
+                config,
+                self.engine_id,
+                self._counters,
+                self._pull_done,
+            )
             self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
             self._wake_r, self._wake_w = os.pipe()
             os.set_blocking(self._wake_r, False)
@@ -103,18 +108,25 @@ class KVConnector:
             self._thread = threading.Thread(target=self._run, name=f"kvc-loop-{self.engine_id}", daemon=True)
             self._thread.start()
         if not config.confirm_reads:
-            log.warning("confirm_reads is off: a pull is trusted without asking the prefill whether its lease held "
-                        "until the read ended, so a lease that expired mid-read goes unnoticed (not fail-closed)")
+            log.warning(
+                "confirm_reads is off: a pull is trusted without asking the prefill whether its lease held "
+                "until the read ended, so a lease that expired mid-read goes unnoticed (not fail-closed)"
+            )
         log.info(
             "kvconnect %s (incarnation %s) side channel on %s:%d, %s cache %.1f MiB",
-            self.engine_id, self.incarnation_id[:12], config.side_channel_host, self.side_channel_port,
-            self.spec.kind.value, self.spec.cache_bytes / 2**20,
+            self.engine_id,
+            self.incarnation_id[:12],
+            config.side_channel_host,
+            self.side_channel_port,
+            self.spec.kind.value,
+            self.spec.cache_bytes / 2**20,
         )
 
     # --- prefill role ------------------------------------------------------------------------------
 
-    def lease(self, request_id: str, block_ids: Sequence[int], num_tokens: int | None = None,
-              lease_id: str | None = None) -> KVTransferParams:
+    def lease(
+        self, request_id: str, block_ids: Sequence[int], num_tokens: int | None = None, lease_id: str | None = None
+    ) -> KVTransferParams:
         """Hold `block_ids` for a remote reader; returns the kv_transfer_params to hand to decode.
 
         `request_id` only labels the lease (logs, `on_lease_ended`); the lease's key is `lease_id`, random
@@ -160,8 +172,7 @@ class KVConnector:
                 self._on_blocks_freed(block_ids)
             self._on_lease_ended(lease.label, lease.state)
         except Exception:
-            log.exception("lease %s: the freed-blocks callback failed for %d blocks", lease.request_id,
-                          len(block_ids))
+            log.exception("lease %s: the freed-blocks callback failed for %d blocks", lease.request_id, len(block_ids))
 
     def _handle(self, msg: p.Request) -> p.Reply:
         """Side-channel requests, on the loop thread."""
@@ -195,14 +206,25 @@ class KVConnector:
         """Counters and gauges for /health and /metrics (any thread; values may be a tick old)."""
         c, leases, abandoned = self._counters, self._leases, self._decode.abandoned
         return ConnectorSnapshot(
-            engine_id=self.engine_id, incarnation_id=self.incarnation_id, side_channel_port=self.side_channel_port,
-            pulls_ok=c.pulls_ok, pull_failures=dict(c.pull_failures), bytes_pulled=c.bytes_pulled,
-            handshakes=c.handshakes, handshake_failures=c.handshake_failures, notifs=c.notifs,
-            stale_notifs=c.stale_notifs, side_channel_refused=self._server.num_refused,
-            abandoned_reads=len(abandoned), quarantined_blocks=abandoned.num_blocks, leases_held=leases.num_held,
+            engine_id=self.engine_id,
+            incarnation_id=self.incarnation_id,
+            side_channel_port=self.side_channel_port,
+            pulls_ok=c.pulls_ok,
+            pull_failures=dict(c.pull_failures),
+            bytes_pulled=c.bytes_pulled,
+            handshakes=c.handshakes,
+            handshake_failures=c.handshake_failures,
+            notifs=c.notifs,
+            stale_notifs=c.stale_notifs,
+            side_channel_refused=self._server.num_refused,
+            abandoned_reads=len(abandoned),
+            quarantined_blocks=abandoned.num_blocks,
+            leases_held=leases.num_held,
             lease_blocks_held=leases.num_blocks_held,
             leases_ended={state.value: count for state, count in leases.counts.items()},
-            ipc_gather_unavailable=int(bool(self._ipc_problem)), unknown_lease_requests=c.unknown_lease_requests)
+            ipc_gather_unavailable=int(bool(self._ipc_problem)),
+            unknown_lease_requests=c.unknown_lease_requests,
+        )
 
     # --- loop --------------------------------------------------------------------------------------
 

@@ -50,8 +50,15 @@ DoneCallback = Callable[[Pull, KVConnectError | None], None]
 
 
 class DecodeSide:
-    def __init__(self, peers: PeerSet, cache: KVCache, config: ConnectorConfig, engine_id: str,
-                 counters: Counters, on_done: DoneCallback) -> None:
+    def __init__(
+        self,
+        peers: PeerSet,
+        cache: KVCache,
+        config: ConnectorConfig,
+        engine_id: str,
+        counters: Counters,
+        on_done: DoneCallback,
+    ) -> None:
         self.peers = peers
         self._cache = cache
         self._config = config
@@ -67,13 +74,16 @@ class DecodeSide:
 
     # --- any thread --------------------------------------------------------------------------------
 
-    def prepare(self, params: KVTransferParams, local_block_ids: Sequence[int],
-                request_id: str | None) -> tuple[PullHandle, Callable[[], None]]:
+    def prepare(
+        self, params: KVTransferParams, local_block_ids: Sequence[int], request_id: str | None
+    ) -> tuple[PullHandle, Callable[[], None]]:
         """Validate a pull; returns its handle and the function that starts it at the next tick."""
         pull = Pull.from_params(params, local_block_ids, request_id, self._cache.spec, self._config.pull_timeout_s)
         if not self._allowed.allows(pull.remote_host):  # before any connection is made
-            raise InvalidRequestError("kv_transfer_params.remote_host", f"{pull.remote_host!r} is not an allowed "
-                                      "prefill peer (peer_allowlist)")
+            raise InvalidRequestError(
+                "kv_transfer_params.remote_host",
+                f"{pull.remote_host!r} is not an allowed prefill peer (peer_allowlist)",
+            )
         sources = self.peers.sources(pull.remote_tp)
         parts = pull.parts_for(sources.reads)
 
@@ -108,8 +118,9 @@ class DecodeSide:
                 self._drop_peer(peer, why)
             peer = None
         if peer is None:
-            peer = self.peers.new(pull.remote_engine_id, pull.remote_host, pull.remote_port, pull.source,
-                                  pull.remote_tp)
+            peer = self.peers.new(
+                pull.remote_engine_id, pull.remote_host, pull.remote_port, pull.source, pull.remote_tp
+            )
         if peer.ready:
             self._post(peer, pull)
             return
@@ -124,8 +135,11 @@ class DecodeSide:
             self.peers.setup(peer, info)
         except Exception as e:  # a set-up that failed half way: the peer is dropped and handshaken again
             self._counters.handshake_failures += 1
-            error = e if isinstance(e, KVConnectError) else HandshakeError(
-                f"engine {peer.engine_id}: peer set-up failed: {type(e).__name__}: {e}")
+            error = (
+                e
+                if isinstance(e, KVConnectError)
+                else HandshakeError(f"engine {peer.engine_id}: peer set-up failed: {type(e).__name__}: {e}")
+            )
             if not isinstance(e, KVConnectError):
                 log.exception("peer %s: set-up failed", peer.key)
             self._fail_peer(peer, error)
@@ -137,9 +151,13 @@ class DecodeSide:
         for pull in waiting:
             pull.handle.stats.handshake_s = handshake_s
             if pull.expected_incarnation not in (None, info.incarnation_id):
-                self._fail(pull, LeaseLostError(
-                    f"prefill engine {peer.engine_id} restarted (lease was granted by incarnation "
-                    f"{pull.expected_incarnation[:12]}, peer is now {info.incarnation_id[:12]})"))
+                self._fail(
+                    pull,
+                    LeaseLostError(
+                        f"prefill engine {peer.engine_id} restarted (lease was granted by incarnation "
+                        f"{pull.expected_incarnation[:12]}, peer is now {info.incarnation_id[:12]})"
+                    ),
+                )
             else:
                 self._post(peer, pull)
 
@@ -196,8 +214,9 @@ class DecodeSide:
         if pull.staging_ids is not None:
             if peer is None or peer.plan is None:
                 pull.run_on_settled()
-                self._fail(pull, PeerGoneError(f"engine {pull.remote_engine_id} dropped before its staged blocks "
-                                               "were placed"))
+                self._fail(
+                    pull, PeerGoneError(f"engine {pull.remote_engine_id} dropped before its staged blocks were placed")
+                )
                 return
             pull.handle.stats.scatter_s = place(self.peers.staging_pool(peer.plan), self._cache, pull)
         self._confirm.read_done(peer, pull)
@@ -230,8 +249,12 @@ class DecodeSide:
             staged_for = self.peers.get(pull.peer_key)
             if pull.handle.cancel_requested or now >= pull.deadline_s or staged_for is None or not staged_for.ready:
                 self.release.for_pull(pull)
-                self._fail(pull, TransferTimeoutError(f"pull {pull.handle.request_id}: no staging space before "
-                                                      "the deadline (raise staging_mb)"))
+                self._fail(
+                    pull,
+                    TransferTimeoutError(
+                        f"pull {pull.handle.request_id}: no staging space before the deadline (raise staging_mb)"
+                    ),
+                )
             else:
                 self._post(staged_for, pull)
         self._confirm.tick(now, lambda pull: self.peers.get(pull.peer_key))
@@ -246,23 +269,37 @@ class DecodeSide:
         for peer in self.peers.all():
             if not peer.ready and peer.waiting and now - peer.hello_sent_s >= timeout_s:
                 self._counters.handshake_failures += 1
-                self._fail_peer(peer, HandshakeTimeoutError(
-                    f"engine {peer.engine_id} at {peer.host}:{peer.port}: no handshake answer within {timeout_s:.3g}s"))
+                self._fail_peer(
+                    peer,
+                    HandshakeTimeoutError(
+                        f"engine {peer.engine_id} at {peer.host}:{peer.port}: "
+                        f"no handshake answer within {timeout_s:.3g}s"
+                    ),
+                )
                 continue
             for late in [x for x in peer.waiting if x.handle.cancel_requested or now >= x.deadline_s]:
                 peer.waiting.remove(late)
                 self.release.for_pull(late)
-                self._fail(late, TransferTimeoutError(
-                    f"pull {late.handle.request_id}: peer {peer.key} not ready within the pull's deadline"
-                    if not late.handle.cancel_requested else f"pull {late.handle.request_id} cancelled"))
+                self._fail(
+                    late,
+                    TransferTimeoutError(
+                        f"pull {late.handle.request_id}: peer {peer.key} not ready within the pull's deadline"
+                        if not late.handle.cancel_requested
+                        else f"pull {late.handle.request_id} cancelled"
+                    ),
+                )
             for ref, pull in list(peer.confirming.items()):
                 if pull.phase is PullPhase.POSTED:
                     continue  # a PIN answer pending while the transfer runs: the transfer's deadline covers it
                 if pull.handle.cancel_requested or now >= pull.deadline_s:
                     del peer.confirming[ref]
                     peer.channel.forget(ref)
-                    self._fail(pull, TransferTimeoutError(f"pull {pull.handle.request_id}: lease not confirmed "
-                                                          "before the deadline; data discarded"))
+                    self._fail(
+                        pull,
+                        TransferTimeoutError(
+                            f"pull {pull.handle.request_id}: lease not confirmed before the deadline; data discarded"
+                        ),
+                    )
 
     def _on_reply(self, peer: Peer, ref: str, reply: p.PeerInfo | p.LeaseReply | HandshakeError) -> None:
         if ref == "hello" or (isinstance(reply, HandshakeError) and not ref):
@@ -286,9 +323,13 @@ class DecodeSide:
         if pull.handle.cancel_requested:
             self._fail(pull, TransferError(f"pull {pull.handle.request_id} cancelled"))
         else:
-            self._fail(pull, TransferTimeoutError(
-                f"pull {pull.handle.request_id} from {pull.remote_engine_id} not complete after "
-                f"{now - pull.requested_s:.3g}s; abandoned"))
+            self._fail(
+                pull,
+                TransferTimeoutError(
+                    f"pull {pull.handle.request_id} from {pull.remote_engine_id} not complete after "
+                    f"{now - pull.requested_s:.3g}s; abandoned"
+                ),
+            )
 
     def _succeed(self, pull: Pull) -> None:
         self._counters.bytes_pulled += pull.handle.stats.bytes
@@ -301,8 +342,13 @@ class DecodeSide:
         if pull.pin is not PinState.NONE:  # drop our pin now rather than when it times out
             self.release.for_pull(pull)
         rank = pull.source.rank if pull.source is not None else 0
-        log.warning("pull %s from %s failed: %s%s", pull.handle.request_id, pull.remote_engine_id, error,
-                    f" (prefill rank {rank})" if rank else "")
+        log.warning(
+            "pull %s from %s failed: %s%s",
+            pull.handle.request_id,
+            pull.remote_engine_id,
+            error,
+            f" (prefill rank {rank})" if rank else "",
+        )
         if pull.posted is None:
             pull.run_on_settled()  # no transfer can land in its staging blocks any more
         pull.finish(error)

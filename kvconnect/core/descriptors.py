@@ -68,13 +68,17 @@ def token_span(n_local: int, local_block: int, n_remote: int, remote_block: int,
         n = min(cap_local, cap_remote)
         if -(-n // local_block) != n_local or -(-n // remote_block) != n_remote:
             raise InvalidRequestError(
-                "remote_block_ids", f"{n_remote} remote blocks of {remote_block} tokens and {n_local} local blocks "
-                f"of {local_block} tokens do not hold the same tokens; send remote_num_tokens")
+                "remote_block_ids",
+                f"{n_remote} remote blocks of {remote_block} tokens and {n_local} local blocks "
+                f"of {local_block} tokens do not hold the same tokens; send remote_num_tokens",
+            )
         return n
     if num_tokens < 1:
         raise InvalidRequestError("remote_num_tokens", f"must be positive, got {num_tokens}")
-    for field, cap, count, size in (("local_block_ids", cap_local, n_local, local_block),
-                                    ("remote_block_ids", cap_remote, n_remote, remote_block)):
+    for field, cap, count, size in (
+        ("local_block_ids", cap_local, n_local, local_block),
+        ("remote_block_ids", cap_remote, n_remote, remote_block),
+    ):
         if cap < num_tokens:
             raise InvalidRequestError(field, f"{count} blocks of {size} tokens cannot hold {num_tokens} tokens")
     return num_tokens
@@ -128,13 +132,15 @@ class PairPlan:
     def remote_descs(self, base_addrs: Sequence[int], device_id: int) -> np.ndarray:
         return descriptor_array(self.remote_units, self.remote_spec.num_blocks, base_addrs, device_id)
 
-    def order_checked(self, local_ids: Sequence[int] | np.ndarray,
-                      remote_ids: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def order_checked(
+        self, local_ids: Sequence[int] | np.ndarray, remote_ids: Sequence[int] | np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Ids that already passed `params.validate_block_ids` (integers, non-negative, unique) checked against
         both sides' sizes (`bounds_checked`), as pairs sorted by remote id when block for block: the order a
         READ issues them in, so runs of consecutive blocks merge."""
-        local, remote = self.bounds_checked(np.asarray(local_ids, dtype=np.int64),
-                                            np.asarray(remote_ids, dtype=np.int64))
+        local, remote = self.bounds_checked(
+            np.asarray(local_ids, dtype=np.int64), np.asarray(remote_ids, dtype=np.int64)
+        )
         if not self.block_for_block:
             return local, remote
         order = np.argsort(remote, kind="stable")
@@ -143,13 +149,16 @@ class PairPlan:
     def bounds_checked(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The checks left after `validate_block_ids`: upper bounds on both sides and, block for block, equal
         counts. Unsorted, for a copy whose issue order does not matter (the IPC gather: one kernel)."""
-        for field, ids, bound in (("local_block_ids", local_ids, self.local_spec.num_blocks),
-                                  ("remote_block_ids", remote_ids, self.remote_spec.num_blocks)):
+        for field, ids, bound in (
+            ("local_block_ids", local_ids, self.local_spec.num_blocks),
+            ("remote_block_ids", remote_ids, self.remote_spec.num_blocks),
+        ):
             if ids.size and int(ids.max()) >= bound:
                 raise InvalidRequestError(field, f"block ids {ids[ids >= bound][:8].tolist()} outside [0, {bound})")
         if self.block_for_block and local_ids.size != remote_ids.size:
-            raise InvalidRequestError("remote_block_ids",
-                                      f"{remote_ids.size} remote blocks for {local_ids.size} local blocks")
+            raise InvalidRequestError(
+                "remote_block_ids", f"{remote_ids.size} remote blocks for {local_ids.size} local blocks"
+            )
         return local_ids, remote_ids
 
     def summary(self, num_blocks: int) -> PullPlan:
@@ -176,7 +185,6 @@ class PairPlan:
             total_bytes=int(local_idx.size) * self.unit_bytes,
         )
 
-
     def _plan_segments(self, local: np.ndarray, remote: np.ndarray, num_tokens: int | None) -> PullPlan:
         ls, rs, g, c = self.local_spec, self.remote_spec, self.seg_tokens, self.chunks
         n = token_span(local.size, ls.block_size, remote.size, rs.block_size, num_tokens)
@@ -192,11 +200,17 @@ class PairPlan:
         l_blk = np.broadcast_to(l_blk, (common.shape[0], l_blk.size)).reshape(-1)
         r_blk = np.broadcast_to(r_blk, (common.shape[0], r_blk.size)).reshape(-1)
         lt, rt = self.local_units, self.remote_units
-        l_pos, r_pos = lt.offset_bytes[l_unit] + l_blk * lt.block_stride_bytes, rt.offset_bytes[r_unit] + r_blk * \
-            rt.block_stride_bytes
+        l_pos, r_pos = (
+            lt.offset_bytes[l_unit] + l_blk * lt.block_stride_bytes,
+            rt.offset_bytes[r_unit] + r_blk * rt.block_stride_bytes,
+        )
         size = lt.unit_bytes
-        joins = ((lt.region[l_unit[1:]] == lt.region[l_unit[:-1]]) & (l_pos[1:] == l_pos[:-1] + size)
-                 & (rt.region[r_unit[1:]] == rt.region[r_unit[:-1]]) & (r_pos[1:] == r_pos[:-1] + size))
+        joins = (
+            (lt.region[l_unit[1:]] == lt.region[l_unit[:-1]])
+            & (l_pos[1:] == l_pos[:-1] + size)
+            & (rt.region[r_unit[1:]] == rt.region[r_unit[:-1]])
+            & (r_pos[1:] == r_pos[:-1] + size)
+        )
         return PullPlan(
             local_indices=(l_unit * ls.num_blocks + l_blk).astype(np.int32),
             remote_indices=(r_unit * rs.num_blocks + r_blk).astype(np.int32),

@@ -231,8 +231,12 @@ class PeerChannel:
                 nonce = self._nonces.pop(reply.ref, None)
                 if self._secret and (nonce is None or not p.reply_mac_ok(self._secret, nonce, reply)):
                     # not from a peer holding our secret (or answering nothing we sent): trust none of it
-                    out.append((reply.ref if nonce is not None else "", AuthError(
-                        f"side channel {self.addr} refused us with an unsigned answer (another secret?)")))
+                    out.append(
+                        (
+                            reply.ref if nonce is not None else "",
+                            AuthError(f"side channel {self.addr} refused us with an unsigned answer (another secret?)"),
+                        )
+                    )
                     continue
                 err = AuthError if reply.code is p.ErrorCode.AUTH else HandshakeError
                 out.append((reply.ref, err(f"side channel {self.addr} refused: {reply.code.value}: {reply.message}")))

@@ -71,8 +71,9 @@ def _picks(model_heads: int, local_tp: int, local_rank: int, remote_tp: int) -> 
     start, stop = rank_heads(model_heads, local_tp, local_rank)
     if remote_tp <= model_heads:
         per = model_heads // remote_tp
-        return [(r, (max(start, r * per), min(stop, (r + 1) * per)))
-                for r in range(start // per, (stop - 1) // per + 1)]
+        return [
+            (r, (max(start, r * per), min(stop, (r + 1) * per))) for r in range(start // per, (stop - 1) // per + 1)
+        ]
     copies = remote_tp // model_heads  # prefill ranks holding each head
     return [(h * copies + local_rank % copies, (h, h + 1)) for h in range(start, stop)]
 
@@ -87,8 +88,9 @@ def plan_sources(local: CacheSpec, remote_tp: int) -> Sources:
     for d, ranks in enumerate(picks):
         for r, _ in ranks:
             readers.setdefault(r, []).append(d)
-    reads = tuple(Source(r, heads, readers[r].index(local.tp_rank), len(readers[r]))
-                  for r, heads in picks[local.tp_rank])
+    reads = tuple(
+        Source(r, heads, readers[r].index(local.tp_rank), len(readers[r])) for r, heads in picks[local.tp_rank]
+    )
     unread = tuple(r for r in range(remote_tp) if r not in readers and r % local.tp_size == local.tp_rank)
     return Sources(reads, unread)
 
@@ -114,8 +116,10 @@ class SourcePlan:
 
     def describe(self) -> str:
         lo, hi = self.source.heads
-        return (f"rank {self.source.rank} heads [{lo},{hi}) via {self.path.value} ({self.reason}); "
-                f"{self.pair.granularity.name} units of {self.pair.unit_bytes} B")
+        return (
+            f"rank {self.source.rank} heads [{lo},{hi}) via {self.path.value} ({self.reason}); "
+            f"{self.pair.granularity.name} units of {self.pair.unit_bytes} B"
+        )
 
 
 def _inner_strides(spec: CacheSpec) -> dict[str, int]:
@@ -126,8 +130,9 @@ def _inner_strides(spec: CacheSpec) -> dict[str, int]:
     return {"slot": d, "head": spec.block_size * d}
 
 
-def chunk_geometry(local: CacheSpec, remote: CacheSpec, heads: tuple[int, int],
-                   seg_tokens: int) -> tuple[int, np.ndarray, np.ndarray]:
+def chunk_geometry(
+    local: CacheSpec, remote: CacheSpec, heads: tuple[int, int], seg_tokens: int
+) -> tuple[int, np.ndarray, np.ndarray]:
     """The largest piece of one (segment, head slice) that is contiguous, in the same element order, on both
     sides: (elements per chunk, chunk offsets in elements on the local side, on the remote side)."""
     sizes = {"slot": seg_tokens, "head": heads[1] - heads[0]}
@@ -160,38 +165,63 @@ def _chunk_table(spec: CacheSpec, seg_tokens: int, offsets: np.ndarray, chunk_el
     seg = np.arange(spec.block_size // seg_tokens, dtype=np.int64) * seg_tokens * _inner_strides(spec)["slot"]
     off = half.offset_bytes[:, None, None] + (seg[None, :, None] + offsets[None, None, :]) * isz
     region = np.broadcast_to(half.region[:, None, None], off.shape)
-    return UnitTable(Granularity.CHUNK, region.reshape(-1).copy(), off.reshape(-1), chunk_elems * isz,
-                     spec.block_stride_bytes)
+    return UnitTable(
+        Granularity.CHUNK, region.reshape(-1).copy(), off.reshape(-1), chunk_elems * isz, spec.block_stride_bytes
+    )
 
 
 def chunked_pair(local: CacheSpec, remote: CacheSpec, heads: tuple[int, int]) -> PairPlan:
     """A CHUNK plan moving `heads` token segment by token segment straight into the local cache."""
     g = math.gcd(local.block_size, remote.block_size)
     chunk, l_off, r_off = chunk_geometry(local, remote, heads, g)
-    return PairPlan(local, remote, Granularity.CHUNK, _chunk_table(local, g, l_off, chunk),
-                    _chunk_table(remote, g, r_off, chunk), seg_tokens=g, chunks=int(l_off.size))
+    return PairPlan(
+        local,
+        remote,
+        Granularity.CHUNK,
+        _chunk_table(local, g, l_off, chunk),
+        _chunk_table(remote, g, r_off, chunk),
+        seg_tokens=g,
+        chunks=int(l_off.size),
+    )
 
 
 def _head_runs(spec: CacheSpec, heads: tuple[int, int]) -> UnitTable:
     """Per layer, the run of `heads` inside an engine page whose outer dimension is the head."""
     layer = unit_table(spec, Granularity.LAYER)
     offset = layer.offset_bytes + (heads[0] - spec.head_range()[0]) * spec.head_page_bytes
-    return UnitTable(Granularity.CHUNK, layer.region.copy(), offset, (heads[1] - heads[0]) * spec.head_page_bytes,
-                     spec.block_stride_bytes)
+    return UnitTable(
+        Granularity.CHUNK,
+        layer.region.copy(),
+        offset,
+        (heads[1] - heads[0]) * spec.head_page_bytes,
+        spec.block_stride_bytes,
+    )
 
 
 def head_run_pair(local: CacheSpec, remote: CacheSpec, heads: tuple[int, int]) -> PairPlan:
     """Engine pages (`CacheSpec.page`) of different TP sizes: each block's run of `heads` moves as one piece per
     layer. The pages' interior is the engine's, so only whole heads of equal pages can move: the block sizes
     must match and heads must be the pages' outer dimension (token_layout HND) on both sides."""
-    mismatch = {name: (getattr(local, name), getattr(remote, name)) for name in ("block_size", "token_layout")
-                if getattr(local, name) != getattr(remote, name)}
+    mismatch = {
+        name: (getattr(local, name), getattr(remote, name))
+        for name in ("block_size", "token_layout")
+        if getattr(local, name) != getattr(remote, name)
+    }
     if mismatch or local.token_layout != "HND":
-        raise LayoutMismatchError(mismatch or {"token_layout": (local.token_layout, remote.token_layout)},
-                                  f"{local.page} pages can only exchange whole heads, with heads outermost in the "
-                                  "page and the same block size on both sides")
-    return PairPlan(local, remote, Granularity.CHUNK, _head_runs(local, heads), _head_runs(remote, heads),
-                    seg_tokens=local.block_size, chunks=1)
+        raise LayoutMismatchError(
+            mismatch or {"token_layout": (local.token_layout, remote.token_layout)},
+            f"{local.page} pages can only exchange whole heads, with heads outermost in the "
+            "page and the same block size on both sides",
+        )
+    return PairPlan(
+        local,
+        remote,
+        Granularity.CHUNK,
+        _head_runs(local, heads),
+        _head_runs(remote, heads),
+        seg_tokens=local.block_size,
+        chunks=1,
+    )
 
 
 def staging_spec(remote: CacheSpec, num_blocks: int, device: str) -> CacheSpec:
@@ -237,8 +267,9 @@ def _why(local: CacheSpec, remote: CacheSpec, heads: tuple[int, int]) -> str:
     return ", ".join(parts)
 
 
-def plan_source(local: CacheSpec, remote: CacheSpec, source: Source, path: str = "auto",
-                staging_blocks: int = 0) -> SourcePlan:
+def plan_source(
+    local: CacheSpec, remote: CacheSpec, source: Source, path: str = "auto", staging_blocks: int = 0
+) -> SourcePlan:
     """Choose and build the path for one source (see the module doc). `path` forces direct or staging;
     `staging_blocks` sizes the staging cache. Raises LayoutMismatchError naming why a pair cannot be served."""
     if path not in PATHS:
@@ -248,9 +279,10 @@ def plan_source(local: CacheSpec, remote: CacheSpec, source: Source, path: str =
     for name, spec in (("local", local), ("remote", remote)):
         have = spec.head_range()
         if not (have[0] <= lo and hi <= have[1]):
-            raise LayoutMismatchError({"tp_rank": (local.tp_rank, remote.tp_rank)},
-                                      f"{name} rank {spec.tp_rank}/{spec.tp_size} holds heads {have}, not "
-                                      f"the [{lo},{hi}) this pull needs")
+            raise LayoutMismatchError(
+                {"tp_rank": (local.tp_rank, remote.tp_rank)},
+                f"{name} rank {spec.tp_rank}/{spec.tp_size} holds heads {have}, not the [{lo},{hi}) this pull needs",
+            )
     if same_block_shape(local, remote):
         return SourcePlan(source, Path.BLOCK, PairPlan.build(local, remote), "same blocks")
     why = _why(local, remote, source.heads)
@@ -264,14 +296,17 @@ def plan_source(local: CacheSpec, remote: CacheSpec, source: Source, path: str =
             return SourcePlan(source, Path.DIRECT, direct, why + " (contiguous; staging off)")
         raise LayoutMismatchError(
             {"token_layout": (local.token_layout, remote.token_layout)},
-            f"{why} needs the staging path ({direct.chunks} pieces per segment otherwise) and staging is disabled")
+            f"{why} needs the staging path ({direct.chunks} pieces per segment otherwise) and staging is disabled",
+        )
     stage = staging_spec(remote, staging_blocks, local.device)
     staged = PairPlan.build(stage, remote)
     model = CostModel.for_device(local.device)
     useful = direct.remote_units.num_units * direct.unit_bytes
     t_direct, t_staging = model.read_s(direct), model.staging_s(staged, useful)
-    costs = f"est. per block: direct {t_direct * 1e6:.0f} us ({direct.remote_units.num_units} x " \
-            f"{direct.unit_bytes} B), staging {t_staging * 1e6:.0f} us"
+    costs = (
+        f"est. per block: direct {t_direct * 1e6:.0f} us ({direct.remote_units.num_units} x "
+        f"{direct.unit_bytes} B), staging {t_staging * 1e6:.0f} us"
+    )
     if path == "auto" and t_direct <= t_staging:
         return SourcePlan(source, Path.DIRECT, direct, f"{why}; {costs}")
     forced = " (forced)" if path == "staging" else ""

@@ -128,8 +128,10 @@ class CacheSpec(msgspec.Struct, frozen=True):
             if tp_problem(total, tp):
                 problems.append(tp_problem(total, tp))
             elif self.num_kv_heads != max(total // tp, 1):
-                problems.append(f"num_kv_heads {self.num_kv_heads} != {max(total // tp, 1)}, the heads per rank "
-                                f"of {total} KV heads over tp_size {tp}")
+                problems.append(
+                    f"num_kv_heads {self.num_kv_heads} != {max(total // tp, 1)}, the heads per rank "
+                    f"of {total} KV heads over tp_size {tp}"
+                )
         if problems:
             raise LayoutError("invalid cache spec: " + "; ".join(problems))
 
@@ -261,8 +263,9 @@ def unit_table(spec: CacheSpec, granularity: Granularity) -> UnitTable:
     num_layers, half = spec.num_layers, spec.half_bytes
     layers = np.arange(num_layers, dtype=np.int64)
     if granularity is Granularity.BLOCK:
-        return UnitTable(granularity, np.zeros(1, np.int64), np.zeros(1, np.int64), spec.block_bytes,
-                         spec.block_stride_bytes)
+        return UnitTable(
+            granularity, np.zeros(1, np.int64), np.zeros(1, np.int64), spec.block_bytes, spec.block_stride_bytes
+        )
     if granularity is Granularity.LAYER:
         if spec.kind is LayoutKind.CROSS_LAYER:
             region, offset = np.zeros(num_layers, np.int64), layers * 2 * half
@@ -284,7 +287,6 @@ def unit_table(spec: CacheSpec, granularity: Granularity) -> UnitTable:
 def pair_granularity(local: CacheSpec, remote: CacheSpec) -> Granularity:
     """The coarsest unit both layouts hold contiguously."""
     return max(local.natural_granularity, remote.natural_granularity)
-
 
 
 def check_compatible(local: CacheSpec, remote: CacheSpec) -> None:

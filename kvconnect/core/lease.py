@@ -139,7 +139,7 @@ class LeaseTable:
         ids = tuple(int(b) for b in block_ids)
         if not ids:
             return f"block_ids: required (the lease holds {len(leased)} blocks)"
-        if len(ids) > len(leased) or leased[len(leased) - len(ids):] != ids:
+        if len(ids) > len(leased) or leased[len(leased) - len(ids) :] != ids:
             foreign = sorted(set(ids) - set(leased))[:8]
             what = f"blocks {foreign} are not leased to it" if foreign else "they are not the tail of its blocks"
             return f"block_ids: the lease cannot name {list(ids[:8])}{'...' if len(ids) > 8 else ''}: {what}"
@@ -152,13 +152,16 @@ class LeaseTable:
             if lease is None:
                 return True  # (completing an unknown lease does nothing)
             leased = lease.block_ids
-        return 0 < num_blocks <= len(leased) and blocks_digest(leased[len(leased) - num_blocks:]) == digest
+        return 0 < num_blocks <= len(leased) and blocks_digest(leased[len(leased) - num_blocks :]) == digest
 
     def held(self) -> list[Lease]:
         """Snapshot of the leases still held."""
         with self._lock:
-            return [Lease(**{**vars(x), "pins": dict(x.pins), "tokens": dict(x.tokens)})
-                    for x in self._leases.values() if x.state is LeaseState.HELD]
+            return [
+                Lease(**{**vars(x), "pins": dict(x.pins), "tokens": dict(x.tokens)})
+                for x in self._leases.values()
+                if x.state is LeaseState.HELD
+            ]
 
     # --- transitions -------------------------------------------------------------------------------
 
@@ -179,10 +182,13 @@ class LeaseTable:
                 self._holders[b] = self._holders.get(b, 0) + 1
             self.counts[LeaseState.HELD] += 1
             early = self._early.pop(lease_id, None)
-        if early is not None and early[0] > now and 0 < early[1] <= len(ids) and \
-                blocks_digest(ids[len(ids) - early[1]:]) == early[2]:
-            log.info("lease %s: released before it was granted; its %d blocks go back now", lease.request_id,
-                     len(ids))
+        if (
+            early is not None
+            and early[0] > now
+            and 0 < early[1] <= len(ids)
+            and blocks_digest(ids[len(ids) - early[1] :]) == early[2]
+        ):
+            log.info("lease %s: released before it was granted; its %d blocks go back now", lease.request_id, len(ids))
             self._end(lease_id, LeaseState.RELEASED)
         return lease
 
@@ -260,8 +266,9 @@ class LeaseTable:
             return self._end(lease_id, LeaseState.EXPIRED)
         return self._end(lease_id, LeaseState.COMPLETED)
 
-    def release(self, lease_id: str, reader: int = -1, block_ids: Sequence[int] | None = None,
-                token: bytes = b"") -> LeaseState:
+    def release(
+        self, lease_id: str, reader: int = -1, block_ids: Sequence[int] | None = None, token: bytes = b""
+    ) -> LeaseState:
         """Give the blocks back now without a completed read (`reader`, when it is one and `token` is its own,
         also drops its pin). A release naming `block_ids` of a lease not granted yet is remembered for the
         grace (module doc)."""
@@ -294,8 +301,11 @@ class LeaseTable:
                         unpinned.append(freeing)
                 if lease.state is LeaseState.HELD and now >= lease.expires_s and not lease.pins:
                     expired.append(lease)
-                elif lease.state is not LeaseState.HELD and not lease.deferred and now - lease.ended_s >= \
-                        self.tombstone_s:
+                elif (
+                    lease.state is not LeaseState.HELD
+                    and not lease.deferred
+                    and now - lease.ended_s >= self.tombstone_s
+                ):
                     del self._leases[rid]
             for rid in [r for r, (until, _, _) in self._early.items() if until <= now]:
                 del self._early[rid]
@@ -303,8 +313,12 @@ class LeaseTable:
             self._free(*freeing)
         ended = [x for x in expired if self._end(x.lease_id, LeaseState.EXPIRED) is LeaseState.EXPIRED]
         for lease in ended:
-            log.warning("lease %s expired unread after %.3gs: %d blocks back to the allocator",
-                        lease.request_id, now - lease.granted_s, len(lease.block_ids))
+            log.warning(
+                "lease %s expired unread after %.3gs: %d blocks back to the allocator",
+                lease.request_id,
+                now - lease.granted_s,
+                len(lease.block_ids),
+            )
         return ended
 
     def force_expire(self, lease_id: str, scrub: Callable[[list[int]], None] | None = None) -> LeaseState:
@@ -323,8 +337,7 @@ class LeaseTable:
         with self._lock:
             self._expire_on_read = max(0, int(count))
 
-    def _end(self, lease_id: str, how: LeaseState,
-             scrub: Callable[[list[int]], None] | None = None) -> LeaseState:
+    def _end(self, lease_id: str, how: LeaseState, scrub: Callable[[list[int]], None] | None = None) -> LeaseState:
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None:

@@ -42,26 +42,64 @@ def _ids(block_ids: Sequence[int] | np.ndarray) -> list[int]:
     return [int(b) for b in block_ids]
 
 
-def pin(engine_id: str, lease_id: str, source: Source, block_ids: Sequence[int] | np.ndarray,
-        pin_s: float, read_token: bytes) -> p.LeaseRequest:
+def pin(
+    engine_id: str,
+    lease_id: str,
+    source: Source,
+    block_ids: Sequence[int] | np.ndarray,
+    pin_s: float,
+    read_token: bytes,
+) -> p.LeaseRequest:
     """Keep the blocks for this reader until it confirms, or for `pin_s` at most."""
-    return p.LeaseRequest(p.PROTOCOL_VERSION, engine_id, lease_id, p.LeaseAction.PIN, reader=source.reader,
-                          readers=source.readers, pin_ms=int(pin_s * 1000), block_ids=_ids(block_ids), seq=next(_seq),
-                          read_token=read_token)
+    return p.LeaseRequest(
+        p.PROTOCOL_VERSION,
+        engine_id,
+        lease_id,
+        p.LeaseAction.PIN,
+        reader=source.reader,
+        readers=source.readers,
+        pin_ms=int(pin_s * 1000),
+        block_ids=_ids(block_ids),
+        seq=next(_seq),
+        read_token=read_token,
+    )
 
 
-def confirm(engine_id: str, lease_id: str, source: Source, block_ids: Sequence[int] | np.ndarray,
-            read_token: bytes) -> p.LeaseRequest:
+def confirm(
+    engine_id: str, lease_id: str, source: Source, block_ids: Sequence[int] | np.ndarray, read_token: bytes
+) -> p.LeaseRequest:
     """This reader's read is done: was the lease (or its pin) held until then?"""
-    return p.LeaseRequest(p.PROTOCOL_VERSION, engine_id, lease_id, p.LeaseAction.CONFIRM, reader=source.reader,
-                          readers=source.readers, block_ids=_ids(block_ids), seq=next(_seq), read_token=read_token)
+    return p.LeaseRequest(
+        p.PROTOCOL_VERSION,
+        engine_id,
+        lease_id,
+        p.LeaseAction.CONFIRM,
+        reader=source.reader,
+        readers=source.readers,
+        block_ids=_ids(block_ids),
+        seq=next(_seq),
+        read_token=read_token,
+    )
 
 
-def release(engine_id: str, lease_id: str, block_ids: Sequence[int] | np.ndarray,
-            reader: int = NON_READER, read_token: bytes = b"") -> p.LeaseRequest:
+def release(
+    engine_id: str,
+    lease_id: str,
+    block_ids: Sequence[int] | np.ndarray,
+    reader: int = NON_READER,
+    read_token: bytes = b"",
+) -> p.LeaseRequest:
     """Give the blocks back now; a reader releasing as itself (with its token) also drops its own pin."""
-    return p.LeaseRequest(p.PROTOCOL_VERSION, engine_id, lease_id, p.LeaseAction.RELEASE, reader=reader,
-                          block_ids=_ids(block_ids), seq=next(_seq), read_token=read_token)
+    return p.LeaseRequest(
+        p.PROTOCOL_VERSION,
+        engine_id,
+        lease_id,
+        p.LeaseAction.RELEASE,
+        reader=reader,
+        block_ids=_ids(block_ids),
+        seq=next(_seq),
+        read_token=read_token,
+    )
 
 
 def release_after_failure(error: KVConnectError) -> bool:
@@ -126,8 +164,9 @@ class ShortChannels:
         self._open = []
 
 
-def release_everywhere(ctx: zmq.Context, params: KVTransferParams, engine_id: str, secret: bytes,
-                       timeout_s: float) -> dict[int, str]:
+def release_everywhere(
+    ctx: zmq.Context, params: KVTransferParams, engine_id: str, secret: bytes, timeout_s: float
+) -> dict[int, str]:
     """Release `params`' lease on every rank as a non-reader (blocking); returns each rank's answer: the
     lease state it ended in, or the error (a rank that is gone cannot hold anything)."""
     out: dict[int, str] = {}

@@ -26,8 +26,14 @@ from kvconnect.core.errors import InvalidRequestError
 from kvconnect.core.layout import tp_problem
 
 FIELD = "kv_transfer_params"
-PULL_FIELDS = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "remote_request_id",
-               "remote_lease_id")
+PULL_FIELDS = (
+    "remote_engine_id",
+    "remote_block_ids",
+    "remote_host",
+    "remote_port",
+    "remote_request_id",
+    "remote_lease_id",
+)
 MAX_TP_SIZE = 64  # a client-sent tp_size above this is refused before any peer is dialled (one per rank)
 MAX_ID_CHARS = 256  # remote_request_id / remote_lease_id / remote_engine_id: ids, not payloads
 MAX_REMOTE_BLOCK_ID = 2**62  # remote ids are bounded by the remote spec at planning; this only keeps int64 sane
@@ -129,20 +135,33 @@ def validate_block_ids(field: str, ids: Sequence[int] | np.ndarray, num_blocks: 
     return arr
 
 
-def validated_pull(params: KVTransferParams, local_block_ids: Sequence[int] | np.ndarray, num_local_blocks: int,
-                   model_kv_heads: int) -> PullTarget:
+def validated_pull(
+    params: KVTransferParams, local_block_ids: Sequence[int] | np.ndarray, num_local_blocks: int, model_kv_heads: int
+) -> PullTarget:
     """The checked remote side of a pull into `local_block_ids`; InvalidRequestError names the field."""
     if not params.do_remote_prefill:
         raise InvalidRequestError(f"{FIELD}.do_remote_prefill", "must be true to pull")
     _check_pull_fields(params)
     local = validate_block_ids("local_block_ids", local_block_ids, num_local_blocks)
     remote = validate_block_ids(f"{FIELD}.remote_block_ids", params.remote_block_ids or [], MAX_REMOTE_BLOCK_ID)
-    problem = tp_problem(model_kv_heads, params.tp_size) if 1 <= params.tp_size <= MAX_TP_SIZE else \
-        f"tp_size must be in [1, {MAX_TP_SIZE}]"
+    problem = (
+        tp_problem(model_kv_heads, params.tp_size)
+        if 1 <= params.tp_size <= MAX_TP_SIZE
+        else f"tp_size must be in [1, {MAX_TP_SIZE}]"
+    )
     if problem:
         raise InvalidRequestError(f"{FIELD}.tp_size", f"prefill {problem}")
     assert params.remote_engine_id and params.remote_host and params.remote_port and params.remote_request_id
     assert params.remote_lease_id
-    return PullTarget(params.remote_engine_id, params.remote_host, params.remote_port, params.remote_request_id,
-                      params.remote_lease_id, remote, local, params.tp_size, params.remote_incarnation_id,
-                      params.remote_num_tokens)
+    return PullTarget(
+        params.remote_engine_id,
+        params.remote_host,
+        params.remote_port,
+        params.remote_request_id,
+        params.remote_lease_id,
+        remote,
+        local,
+        params.tp_size,
+        params.remote_incarnation_id,
+        params.remote_num_tokens,
+    )

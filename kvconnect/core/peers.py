@@ -70,8 +70,15 @@ def peer_key(engine_id: str, rank: int) -> str:
 class PeerSet:
     """The known peers, and the local resources their transports share."""
 
-    def __init__(self, agent: NixlAgent, cache: KVCache, config: ConnectorConfig, ctx: zmq.Context,
-                 secret: bytes, ipc_problem: Callable[[], str] = lambda: "") -> None:
+    def __init__(
+        self,
+        agent: NixlAgent,
+        cache: KVCache,
+        config: ConnectorConfig,
+        ctx: zmq.Context,
+        secret: bytes,
+        ipc_problem: Callable[[], str] = lambda: "",
+    ) -> None:
         self._agent = agent
         self._ipc_problem = ipc_problem
         self._cache = cache
@@ -145,13 +152,16 @@ class PeerSet:
         spec, config = self._cache.spec, self._config
         if info.engine_id != peer.engine_id:
             log.info("peer at %s:%d is engine %r, not %r", peer.host, peer.port, info.engine_id[:64], peer.engine_id)
-            raise InvalidRequestError("kv_transfer_params.remote_engine_id", f"the side channel at {peer.host}:"
-                                      f"{peer.port} is another engine's, not {peer.engine_id!r}'s")
+            raise InvalidRequestError(
+                "kv_transfer_params.remote_engine_id",
+                f"the side channel at {peer.host}:{peer.port} is another engine's, not {peer.engine_id!r}'s",
+            )
         if (info.spec.tp_size, info.spec.tp_rank) != (peer.remote_tp, peer.source.rank):
             raise LayoutMismatchError(
                 {"tp_rank": (peer.source.rank, info.spec.tp_rank), "tp_size": (peer.remote_tp, info.spec.tp_size)},
                 f"peer at {peer.host}:{peer.port} is rank {info.spec.tp_rank} of {info.spec.tp_size}, expected "
-                f"rank {peer.source.rank} of {peer.remote_tp} (ranks listen on base port + rank)")
+                f"rank {peer.source.rank} of {peer.remote_tp} (ranks listen on base port + rank)",
+            )
         staging_blocks = config.staging_mb * 2**20 // info.spec.block_bytes
         plan = plan_source(spec, info.spec, peer.source, config.hetero_path.value, staging_blocks)
         peer.info, peer.plan = info, plan
@@ -168,10 +178,19 @@ class PeerSet:
 
     def log_ready(self, peer: Peer, handshake_s: float, setup_s: float) -> None:
         assert peer.plan is not None and peer.transport is not None and peer.info is not None
-        log.info("peer %s ready: incarnation %s, %s<-%s, %s, %d descriptors per block, over %s, handshake %.1f ms "
-                 "(setup %.1f ms)", peer.key, peer.info.incarnation_id[:12], self._cache.spec.kind.value,
-                 peer.info.spec.kind.value, peer.plan.describe(), peer.plan.descs_per_block,
-                 peer.transport.kind.value, handshake_s * 1e3, setup_s * 1e3)
+        log.info(
+            "peer %s ready: incarnation %s, %s<-%s, %s, %d descriptors per block, over %s, handshake %.1f ms "
+            "(setup %.1f ms)",
+            peer.key,
+            peer.info.incarnation_id[:12],
+            self._cache.spec.kind.value,
+            peer.info.spec.kind.value,
+            peer.plan.describe(),
+            peer.plan.descs_per_block,
+            peer.transport.kind.value,
+            handshake_s * 1e3,
+            setup_s * 1e3,
+        )
 
     def order(self, peer: Peer, pull: Pull) -> tuple[np.ndarray, np.ndarray] | None:
         """(local, remote) ids of `pull` in the order its transfer moves them (into staging blocks on the
@@ -187,8 +206,13 @@ class PeerSet:
         else:
             local, remote = transport.order(pull.local_block_ids, pull.remote_block_ids)
         if not plan.pair.block_for_block or plan.path is Path.STAGING:
-            pull.num_tokens = token_span(len(pull.local_block_ids), self._cache.spec.block_size,
-                                         len(pull.remote_block_ids), info.spec.block_size, pull.num_tokens)
+            pull.num_tokens = token_span(
+                len(pull.local_block_ids),
+                self._cache.spec.block_size,
+                len(pull.remote_block_ids),
+                info.spec.block_size,
+                pull.num_tokens,
+            )
         return local, remote
 
     def staging_pool(self, plan: SourcePlan) -> StagingPool:
@@ -200,23 +224,41 @@ class PeerSet:
         stage = plan.staging_spec
         if stage is not None and stage not in self.staging:
             if len(self.staging) >= MAX_STAGING_POOLS:
-                raise LayoutMismatchError({"staging caches": (len(self.staging), MAX_STAGING_POOLS)},
-                                          f"this decode holds a staging cache for each of {MAX_STAGING_POOLS} other "
-                                          "remote cache shapes already; a prefill of yet another shape is refused")
+                raise LayoutMismatchError(
+                    {"staging caches": (len(self.staging), MAX_STAGING_POOLS)},
+                    f"this decode holds a staging cache for each of {MAX_STAGING_POOLS} other "
+                    "remote cache shapes already; a prefill of yet another shape is refused",
+                )
             pool = StagingPool(stage)
-            self._agent.register(np.array([[addr, stage.region_bytes, pool.cache.device_id]
-                                           for addr in pool.cache.base_addrs()], dtype=np.int64), self._mem)
+            self._agent.register(
+                np.array(
+                    [[addr, stage.region_bytes, pool.cache.device_id] for addr in pool.cache.base_addrs()],
+                    dtype=np.int64,
+                ),
+                self._mem,
+            )
             self.staging[stage] = pool
-            log.info("staging cache for %s: %d blocks, %.0f MiB", plan.pair.remote_spec.kind.value, pool.capacity,
-                     stage.cache_bytes / 2**20)
+            log.info(
+                "staging cache for %s: %d blocks, %.0f MiB",
+                plan.pair.remote_spec.kind.value,
+                pool.capacity,
+                stage.cache_bytes / 2**20,
+            )
         table = plan.pair.local_units
-        key = (table.granularity, table.unit_bytes, table.region.tobytes(), table.offset_bytes.tobytes(),
-               plan.pair.local_spec)  # plans with equal local unit tables share one list
+        key = (
+            table.granularity,
+            table.unit_bytes,
+            table.region.tobytes(),
+            table.offset_bytes.tobytes(),
+            plan.pair.local_spec,
+        )  # plans with equal local unit tables share one list
         if key not in self._local_lists:
             target = self.staging[stage].cache if stage is not None else self._cache
             self._local_lists[key] = self._agent.prep(
-                "", strided_descriptor_array(table, plan.pair.local_spec.num_blocks, target.base_addrs(),
-                                             target.device_id), self._mem)
+                "",
+                strided_descriptor_array(table, plan.pair.local_spec.num_blocks, target.base_addrs(), target.device_id),
+                self._mem,
+            )
         return self._local_lists[key]
 
     def _same_host_transport(self, peer: Peer, info: p.PeerInfo, pair: PairPlan) -> Transport | None:

@@ -21,8 +21,9 @@ from kvconnect.core.snapshot import Counters
 log = logging.getLogger(__name__)
 
 
-def peer_info(engine_id: str, incarnation_id: str, agent: NixlAgent, cache: KVCache,
-              config: ConnectorConfig) -> p.PeerInfo:
+def peer_info(
+    engine_id: str, incarnation_id: str, agent: NixlAgent, cache: KVCache, config: ConnectorConfig
+) -> p.PeerInfo:
     """The handshake answer: the agent, the cache's spec and regions, and (CUDA, unless only NIXL is
     allowed) the IPC handles a same-host peer maps the regions from."""
     ipc_handles: list[bytes] = []
@@ -38,9 +39,17 @@ def peer_info(engine_id: str, incarnation_id: str, agent: NixlAgent, cache: KVCa
         except ipc_gather.PeerCopyError as e:
             log.warning("CUDA IPC export unavailable, peers will use NIXL: %s", e)
     return p.PeerInfo(
-        protocol_version=p.PROTOCOL_VERSION, engine_id=engine_id, incarnation_id=incarnation_id,
-        agent_name=agent.name, agent_metadata=agent.metadata(), spec=cache.spec, base_addrs=cache.base_addrs(),
-        device_id=cache.device_id, host_id=host, ipc_handles=ipc_handles, ipc_offsets=ipc_offsets,
+        protocol_version=p.PROTOCOL_VERSION,
+        engine_id=engine_id,
+        incarnation_id=incarnation_id,
+        agent_name=agent.name,
+        agent_metadata=agent.metadata(),
+        spec=cache.spec,
+        base_addrs=cache.base_addrs(),
+        device_id=cache.device_id,
+        host_id=host,
+        ipc_handles=ipc_handles,
+        ipc_offsets=ipc_offsets,
         lease_grace_ms=round(config.lease_grace_s * 1000),
     )
 
@@ -86,10 +95,12 @@ class PrefillSide:
                 except KVConnectError as e:
                     log.warning("ignoring malformed notification from %s: %s", agent_name, e)
                     continue
-                if notif.incarnation_id != self._incarnation_id or not notif.read_token or \
-                        not self._leases.digest_matches(notif.lease_id, notif.num_blocks, notif.blocks_digest):
+                if (
+                    notif.incarnation_id != self._incarnation_id
+                    or not notif.read_token
+                    or not self._leases.digest_matches(notif.lease_id, notif.num_blocks, notif.blocks_digest)
+                ):
                     self._counters.stale_notifs += 1  # another incarnation's, or a read of blocks not leased
                     continue
                 self._counters.notifs += 1
                 self._leases.complete(notif.lease_id, notif.reader, notif.readers, notif.read_token)
-

@@ -213,8 +213,14 @@ def blocks_digest(block_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def encode_notif(lease_id: str, incarnation_id: str, reader: int = 0, readers: int = 1,
-                 block_ids: Sequence[int] = (), read_token: bytes = b"") -> bytes:
+def encode_notif(
+    lease_id: str,
+    incarnation_id: str,
+    reader: int = 0,
+    readers: int = 1,
+    block_ids: Sequence[int] = (),
+    read_token: bytes = b"",
+) -> bytes:
     digest = blocks_digest(block_ids) if len(block_ids) else b""
     return _encoder.encode(PullNotif(lease_id, incarnation_id, reader, readers, digest, len(block_ids), read_token))
 

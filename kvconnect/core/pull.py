@@ -169,8 +169,14 @@ class Pull:
     def notif(self, incarnation_id: str) -> bytes:
         """The notification this pull's READ carries to the prefill (it completes the lease for this reader)."""
         assert self.source is not None
-        return encode_notif(self.lease_id, incarnation_id, self.source.reader, self.source.readers,
-                            self.remote_block_ids.tolist(), self.read_token)
+        return encode_notif(
+            self.lease_id,
+            incarnation_id,
+            self.source.reader,
+            self.source.readers,
+            self.remote_block_ids.tolist(),
+            self.read_token,
+        )
 
     def run_on_settled(self) -> None:
         """Run the `on_settled` hook once: no READ can write into this pull's blocks any more."""
@@ -184,8 +190,14 @@ class Pull:
         return f"{self.remote_engine_id}#{rank}"
 
     @classmethod
-    def from_params(cls, params: KVTransferParams, local_block_ids: Sequence[int], request_id: str | None,
-                    spec: CacheSpec, timeout_s: float) -> Pull:
+    def from_params(
+        cls,
+        params: KVTransferParams,
+        local_block_ids: Sequence[int],
+        request_id: str | None,
+        spec: CacheSpec,
+        timeout_s: float,
+    ) -> Pull:
         """Validate a pull request (any thread); InvalidRequestError names the field, nothing is posted."""
         target = validated_pull(params, local_block_ids, spec.num_blocks, spec.model_kv_heads)
         now = time.monotonic()
@@ -221,8 +233,13 @@ class Pull:
         handle = PullHandle(f"{self.handle.request_id}@{source.rank}", self.remote_engine_id)
         self.handle.parts.append(handle)
         return dataclasses.replace(
-            self, handle=handle, remote_port=self.remote_port + source.rank, source=source, group=group,
-            expected_incarnation=self.expected_incarnation if source.rank == 0 else None)
+            self,
+            handle=handle,
+            remote_port=self.remote_port + source.rank,
+            source=source,
+            group=group,
+            expected_incarnation=self.expected_incarnation if source.rank == 0 else None,
+        )
 
     def finish(self, error: KVConnectError | None) -> None:
         now = time.monotonic()
@@ -298,15 +315,20 @@ class AbandonedReads:
             except PeerGoneError:
                 state = XferState.ERR  # the connection is gone: nothing more can land
             except KVConnectError as e:
-                log.warning("abandoned pull %s: cannot poll its transfer (%s); treating it as ended",
-                            pull.handle.request_id, e)
+                log.warning(
+                    "abandoned pull %s: cannot poll its transfer (%s); treating it as ended", pull.handle.request_id, e
+                )
                 state = XferState.ERR
             if state is XferState.PROC:
                 continue
             self._pulls.remove(item)
             _settle(pull)
-            log.info("abandoned pull %s: its transfer ended (%s); %d local blocks are safe again",
-                     pull.handle.request_id, state.value, len(pull.local_block_ids))
+            log.info(
+                "abandoned pull %s: its transfer ended (%s); %d local blocks are safe again",
+                pull.handle.request_id,
+                state.value,
+                len(pull.local_block_ids),
+            )
 
     def close(self) -> None:
         for pull, _ in self._pulls:

@@ -34,8 +34,9 @@ class Releases:
                 del peer.confirming[ref]
                 peer.channel.forget(ref)
             reader = pull.source.reader if pull.source is not None else lease_client.NON_READER
-            peer.channel.send(lease_client.release(self._engine_id, pull.lease_id, pull.remote_block_ids,
-                                                   reader, pull.read_token))
+            peer.channel.send(
+                lease_client.release(self._engine_id, pull.lease_id, pull.remote_block_ids, reader, pull.read_token)
+            )
 
     def for_params(self, params: KVTransferParams) -> None:
         """Release the lease on every rank of the prefill's TP group, as a non-reader (no pin is dropped)."""
@@ -55,8 +56,11 @@ class Releases:
             return
         short = self._peers.short
         if not short.send(host, port, msg) and short.dropped % 100 == 1:
-            log.warning("%d releases dropped so far: %d release-only channels open (those leases end by their TTL)",
-                        short.dropped, len(short))
+            log.warning(
+                "%d releases dropped so far: %d release-only channels open (those leases end by their TTL)",
+                short.dropped,
+                len(short),
+            )
 
     def _targets(self, params: KVTransferParams) -> list[tuple[int, str, int]]:
         if not self._allowed.allows(params.remote_host or ""):

@@ -42,8 +42,10 @@ class StagingPool:
         """`count` blocks, or None while too few are free; InvalidRequestError if it can never fit."""
         if count > self.capacity:
             raise InvalidRequestError(
-                "remote_block_ids", f"{count} blocks need more staging than its {self.capacity} blocks "
-                f"({self.capacity * self.cache.spec.block_bytes / 2**20:.0f} MiB); raise staging_mb")
+                "remote_block_ids",
+                f"{count} blocks need more staging than its {self.capacity} blocks "
+                f"({self.capacity * self.cache.spec.block_bytes / 2**20:.0f} MiB); raise staging_mb",
+            )
         if count > len(self._free):
             return None
         out = self._free[-count:][::-1]
@@ -73,13 +75,18 @@ def _layer_views(cache: KVCache) -> list[torch.Tensor]:
     """Per layer, a (num_blocks, block_size, 1, 2, H, D) view."""
     views = _token_major(cache)
     if cache.spec.kind is LayoutKind.CROSS_LAYER:
-        return [views[0][:, :, layer:layer + 1] for layer in range(cache.spec.num_layers)]
+        return [views[0][:, :, layer : layer + 1] for layer in range(cache.spec.num_layers)]
     return views
 
 
-def scatter(src: KVCache, src_ids: Sequence[int] | np.ndarray, dst: KVCache, dst_ids: Sequence[int] | np.ndarray,
-            num_tokens: int,
-            heads: tuple[int, int]) -> None:
+def scatter(
+    src: KVCache,
+    src_ids: Sequence[int] | np.ndarray,
+    dst: KVCache,
+    dst_ids: Sequence[int] | np.ndarray,
+    num_tokens: int,
+    heads: tuple[int, int],
+) -> None:
     """Copy tokens [0, num_tokens) of global KV heads `heads` from blocks `src_ids` of `src` (token order) into
     blocks `dst_ids` of `dst`. Runs on the caches' device; the caller synchronises before using `dst`."""
     dev = dst.regions[0].device
@@ -95,7 +102,7 @@ def scatter(src: KVCache, src_ids: Sequence[int] | np.ndarray, dst: KVCache, dst
     else:
         pairs = list(zip(_layer_views(src), _layer_views(dst), strict=True))
     for s_view, d_view in pairs:
-        d_view[d_blk, d_slot, :, :, d_lo:d_lo + width] = s_view[s_blk, s_slot, :, :, s_lo:s_lo + width]
+        d_view[d_blk, d_slot, :, :, d_lo : d_lo + width] = s_view[s_blk, s_slot, :, :, s_lo : s_lo + width]
 
 
 def reserve(pool: StagingPool, pull: Pull) -> bool:

@@ -63,9 +63,7 @@ class BlockAllocator:
             raise BlockAllocationError(f"cannot allocate {num_blocks!r} blocks")
         with self._lock:
             if num_blocks > len(self._free):
-                raise OutOfBlocksError(
-                    f"asked for {num_blocks} blocks, {len(self._free)} of {self._num_total} free"
-                )
+                raise OutOfBlocksError(f"asked for {num_blocks} blocks, {len(self._free)} of {self._num_total} free")
             ids = [self._free.popleft() for _ in range(num_blocks)]
             self._allocated.update(ids)
         return ids

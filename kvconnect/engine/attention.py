@@ -95,8 +95,14 @@ def build_batch(items: Sequence[BatchItem], block_size: int, device: torch.devic
                 f"{n_new} new tokens at position {item.start_position} need {n_blocks} blocks of "
                 f"{block_size}, the sequence holds {len(item.block_ids)}"
             )
-        seqs.append(SeqSlice(len(input_ids), n_new, seq_len,
-                             torch.tensor(list(item.block_ids[:n_blocks]), dtype=torch.int64, device=device)))
+        seqs.append(
+            SeqSlice(
+                len(input_ids),
+                n_new,
+                seq_len,
+                torch.tensor(list(item.block_ids[:n_blocks]), dtype=torch.int64, device=device),
+            )
+        )
         for i, tok in enumerate(item.token_ids):
             pos = item.start_position + i
             input_ids.append(int(tok))
@@ -107,19 +113,18 @@ def build_batch(items: Sequence[BatchItem], block_size: int, device: torch.devic
     def as_tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
 
-    return PagedBatch(as_tensor(input_ids), as_tensor(positions), as_tensor(slot_blocks),
-                      as_tensor(slot_offsets), tuple(seqs))
+    return PagedBatch(
+        as_tensor(input_ids), as_tensor(positions), as_tensor(slot_blocks), as_tensor(slot_offsets), tuple(seqs)
+    )
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             batch: PagedBatch) -> None:
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PagedBatch) -> None:
     """Store the new tokens' K/V (T, H_kv, D) into (num_blocks, block_size, H_kv, D) cache views."""
     k_cache[batch.slot_block_ids, batch.slot_offsets] = k.to(k_cache.dtype)
     v_cache[batch.slot_block_ids, batch.slot_offsets] = v.to(v_cache.dtype)
 
 
-def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor,
-              seq: SeqSlice) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, seq: SeqSlice) -> tuple[torch.Tensor, torch.Tensor]:
     """The first `seq.seq_len` keys and values of one sequence, (S, H_kv, D) each, read via its blocks."""
     _, block_size, h_kv, d = k_cache.shape
     k = k_cache[seq.block_table].reshape(-1, h_kv, d)[: seq.seq_len]
@@ -135,8 +140,9 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _reference_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: SeqSlice,
-                   scale: float) -> torch.Tensor:
+def _reference_one(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: SeqSlice, scale: float
+) -> torch.Tensor:
     k, v = gather_kv(k_cache, v_cache, seq)
     k, v = k.to(q.dtype), v.to(q.dtype)
     group = q.shape[1] // k.shape[1]
@@ -152,20 +158,32 @@ def _reference_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return torch.matmul(probs, v.transpose(0, 1)).transpose(0, 1)  # (Tq, H, D)
 
 
-def _flash_one(fn: Callable[..., Any], q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               seq: SeqSlice, scale: float) -> torch.Tensor:
+def _flash_one(
+    fn: Callable[..., Any], q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: SeqSlice, scale: float
+) -> torch.Tensor:
     out = fn(
-        q.unsqueeze(0), k_cache, v_cache,
+        q.unsqueeze(0),
+        k_cache,
+        v_cache,
         cache_seqlens=torch.tensor([seq.seq_len], dtype=torch.int32, device=q.device),
         block_table=seq.block_table.to(torch.int32).unsqueeze(0),
         # num_splits=1: no split-KV, whose heuristic would make the result depend on the batch
-        softmax_scale=scale, causal=True, num_splits=1,
+        softmax_scale=scale,
+        causal=True,
+        num_splits=1,
     )
     return out.squeeze(0)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch, *,
-                    scale: float, flash_kernel: Callable[..., Any] | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedBatch,
+    *,
+    scale: float,
+    flash_kernel: Callable[..., Any] | None = None,
+) -> torch.Tensor:
     """Causal attention of the batch's queries (T, H_q, D) over their sequences' cached K/V -> (T, H_q, D).
 
     `flash_kernel` is `flash_attn_kernel()` when the FLASH_ATTN backend was selected, else None.
@@ -190,8 +208,9 @@ def flash_attn_kernel() -> Callable[..., Any] | None:
     return flash_attn_with_kvcache  # type: ignore[no-any-return]
 
 
-def select_backend(requested: str, *, device_kind: str, dtype: torch.dtype, kv_cache_dtype: torch.dtype,
-                   block_size: int) -> AttentionBackend:
+def select_backend(
+    requested: str, *, device_kind: str, dtype: torch.dtype, kv_cache_dtype: torch.dtype, block_size: int
+) -> AttentionBackend:
     """Pick the attention path for an engine and log the choice (once per process and reason)."""
     reason = "requested"
     if requested == "reference":

@@ -34,8 +34,15 @@ class ModelConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "intermediate_size", "max_position"):
+        for name in (
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "max_position",
+        ):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")

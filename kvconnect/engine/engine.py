@@ -52,8 +52,13 @@ class Engine:
         self.cache = KVCache.allocate(self.spec, device=self.device)
         self.allocator = BlockAllocator(cfg.num_blocks)
         dtype = TORCH_DTYPES[cfg.dtype]
-        backend = select_backend(cfg.attention_backend, device_kind=cfg.device_kind, dtype=dtype,
-                                 kv_cache_dtype=TORCH_DTYPES[cfg.kv_cache_dtype], block_size=cfg.block_size)
+        backend = select_backend(
+            cfg.attention_backend,
+            device_kind=cfg.device_kind,
+            dtype=dtype,
+            kv_cache_dtype=TORCH_DTYPES[cfg.kv_cache_dtype],
+            block_size=cfg.block_size,
+        )
         self.attention_backend = backend
         flash_kernel = flash_attn_kernel() if backend is AttentionBackend.FLASH_ATTN else None
         self.model = LlamaModel(cfg.model, device=self.device, dtype=dtype, flash_kernel=flash_kernel)
@@ -84,8 +89,13 @@ class Engine:
             self._thread = threading.Thread(target=self._loop, name="kvconnect-engine", daemon=True)
             self._thread.start()
         spec = self.spec
-        logger.info("engine started: %s cache, %d blocks of %d tokens, attention %s",
-                    spec.kind.value, spec.num_blocks, spec.block_size, self.attention_backend.value)
+        logger.info(
+            "engine started: %s cache, %d blocks of %d tokens, attention %s",
+            spec.kind.value,
+            spec.num_blocks,
+            spec.block_size,
+            self.attention_backend.value,
+        )
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Abort every live request (finish "abort") and join the engine thread."""
@@ -114,9 +124,16 @@ class Engine:
 
     # --- requests --------------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                    on_event: Callable[[TokenEvent], None], *, kv_loader: KVLoader | None = None,
-                    kv_keeper: KVKeeper | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        on_event: Callable[[TokenEvent], None],
+        *,
+        kv_loader: KVLoader | None = None,
+        kv_keeper: KVKeeper | None = None,
+    ) -> None:
         """Queue a request (also before start()); raises InvalidRequestError (bad input, id in use) or
         EngineStateError (after stop())."""
         model = self.config.model
@@ -131,10 +148,15 @@ class Engine:
         if not sampling.ignore_eos:
             stop_ids.add(self.tokenizer.eos_id)
         seq = Sequence(
-            request_id=request_id, prompt_ids=prompt, sampling=sampling, on_event=on_event,
-            kv_loader=kv_loader, kv_keeper=kv_keeper,
+            request_id=request_id,
+            prompt_ids=prompt,
+            sampling=sampling,
+            on_event=on_event,
+            kv_loader=kv_loader,
+            kv_keeper=kv_keeper,
             max_new_tokens=min(sampling.max_tokens, model.max_position - len(prompt) + 1),
-            stop_ids=frozenset(stop_ids), generator=sampling.make_generator(),
+            stop_ids=frozenset(stop_ids),
+            generator=sampling.make_generator(),
         )
         need = seq.num_blocks_needed(self.spec.block_size)
         if need > self.allocator.num_total:
@@ -204,8 +226,9 @@ class Engine:
             return False
         n = seq.num_prompt_tokens
         try:
-            batch = build_batch([BatchItem(seq.prompt_ids[: n - 1], 0, seq.block_ids)], self.spec.block_size,
-                                self.device)
+            batch = build_batch(
+                [BatchItem(seq.prompt_ids[: n - 1], 0, seq.block_ids)], self.spec.block_size, self.device
+            )
             self.model.forward(batch, self.cache, compute_logits=False)
         except Exception as e:
             logger.exception("%s: prefill failed", seq.request_id)
@@ -220,8 +243,7 @@ class Engine:
             return False
         self.peak_decode_batch = max(self.peak_decode_batch, len(seqs))
         try:
-            items = [BatchItem([s.token_at(s.num_computed_tokens)], s.num_computed_tokens, s.block_ids)
-                     for s in seqs]
+            items = [BatchItem([s.token_at(s.num_computed_tokens)], s.num_computed_tokens, s.block_ids) for s in seqs]
             logits = self.model.forward(build_batch(items, self.spec.block_size, self.device), self.cache)
             assert logits is not None
             logits = logits.cpu()
@@ -238,9 +260,16 @@ class Engine:
             if token in seq.stop_ids:
                 self._finish(seq, FinishReason.STOP, None)
                 continue
-            self._emit(seq, TokenEvent(seq.request_id, token, logprob,
-                                       num_prompt_tokens=seq.num_prompt_tokens,
-                                       num_output_tokens=len(seq.output_ids)))
+            self._emit(
+                seq,
+                TokenEvent(
+                    seq.request_id,
+                    token,
+                    logprob,
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    num_output_tokens=len(seq.output_ids),
+                ),
+            )
             if len(seq.output_ids) >= seq.max_new_tokens:
                 self._finish(seq, FinishReason.LENGTH, None)
         return True
@@ -249,8 +278,9 @@ class Engine:
         self._scheduler.release(seq, reason)
         with self._lock:
             self._live_ids.discard(seq.request_id)
-        self._emit(seq, TokenEvent(seq.request_id, None, None, reason, error, seq.num_prompt_tokens,
-                                   len(seq.output_ids)))
+        self._emit(
+            seq, TokenEvent(seq.request_id, None, None, reason, error, seq.num_prompt_tokens, len(seq.output_ids))
+        )
 
     def _emit(self, seq: Sequence, event: TokenEvent) -> None:
         try:
@@ -274,6 +304,7 @@ class Engine:
         for seq in self._scheduler.live():
             self._finish(seq, FinishReason.ABORT, "engine stopped")
         if self._scheduler.draining:
-            logger.warning("engine stopped with %d KV loads in flight; their blocks stay allocated",
-                           len(self._scheduler.draining))
+            logger.warning(
+                "engine stopped with %d KV loads in flight; their blocks stay allocated", len(self._scheduler.draining)
+            )
         self._update_counters()

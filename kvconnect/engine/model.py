@@ -38,8 +38,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
-def rope_tables(config: ModelConfig, device: torch.device,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, (max_position, head_dim / 2) each, computed in float64 once."""
     half = config.head_dim // 2
     inv_freq = config.rope_theta ** (-torch.arange(half, dtype=torch.float64) * 2 / config.head_dim)
@@ -55,16 +54,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
-def per_sequence(segments: list[tuple[int, int]], fn: Callable[..., torch.Tensor], x: torch.Tensor,
-                 *args: Any) -> torch.Tensor:
+def per_sequence(
+    segments: list[tuple[int, int]], fn: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any
+) -> torch.Tensor:
     """`fn(rows, *args)` for each sequence's rows separately, concatenated back in order."""
     outs = [fn(aligned(x[start:end]), *args) for start, end in segments]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, *, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, flash_kernel: Callable[..., Any] | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        flash_kernel: Callable[..., Any] | None = None,
+    ) -> None:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -85,16 +91,16 @@ class LlamaModel:
         self.layers = [
             LayerWeights(
                 attn_norm=ones(c.hidden_size),
-                wqkv=normal(qkv_out, c.hidden_size, std=c.hidden_size ** -0.5),
+                wqkv=normal(qkv_out, c.hidden_size, std=c.hidden_size**-0.5),
                 wo=normal(c.hidden_size, c.num_heads * c.head_dim, std=(c.num_heads * c.head_dim) ** -0.5),
                 mlp_norm=ones(c.hidden_size),
-                w_gate_up=normal(2 * c.intermediate_size, c.hidden_size, std=c.hidden_size ** -0.5),
-                w_down=normal(c.hidden_size, c.intermediate_size, std=c.intermediate_size ** -0.5),
+                w_gate_up=normal(2 * c.intermediate_size, c.hidden_size, std=c.hidden_size**-0.5),
+                w_down=normal(c.hidden_size, c.intermediate_size, std=c.intermediate_size**-0.5),
             )
             for _ in range(c.num_layers)
         ]
         self.final_norm = ones(c.hidden_size)
-        self.lm_head = normal(c.vocab_size, c.hidden_size, std=c.hidden_size ** -0.5)
+        self.lm_head = normal(c.vocab_size, c.hidden_size, std=c.hidden_size**-0.5)
         self.cos, self.sin = rope_tables(c, self.device, dtype)
 
     def check_cache(self, cache: KVCache) -> None:
@@ -119,8 +125,7 @@ class LlamaModel:
 
     # --- forward ----------------------------------------------------------------------------------------
 
-    def forward(self, batch: PagedBatch, cache: KVCache, *,
-                compute_logits: bool = True) -> torch.Tensor | None:
+    def forward(self, batch: PagedBatch, cache: KVCache, *, compute_logits: bool = True) -> torch.Tensor | None:
         """Run the batch's new tokens, writing their K/V into `cache`; return float32 logits of each
         sequence's last token, (num_seqs, vocab), or None when `compute_logits` is False (a prefill)."""
         c = self.config
@@ -134,12 +139,11 @@ class LlamaModel:
         for i, lw in enumerate(self.layers):
             qkv = per_sequence(segments, self._attn_in, x, lw)
             q = apply_rope(qkv[:, :q_dim].reshape(q_shape), cos, sin)
-            k = apply_rope(qkv[:, q_dim:q_dim + kv_dim].reshape(kv_shape), cos, sin)
-            v = qkv[:, q_dim + kv_dim:].reshape(kv_shape)
+            k = apply_rope(qkv[:, q_dim : q_dim + kv_dim].reshape(kv_shape), cos, sin)
+            v = qkv[:, q_dim + kv_dim :].reshape(kv_shape)
             k_cache, v_cache = cache.kv(i)
             write_kv(k_cache, v_cache, k, v, batch)
-            attn = paged_attention(q, k_cache, v_cache, batch, scale=self.scale,
-                                   flash_kernel=self.flash_kernel)
+            attn = paged_attention(q, k_cache, v_cache, batch, scale=self.scale, flash_kernel=self.flash_kernel)
             x = x + per_sequence(segments, F.linear, attn.reshape(num_tokens, q_dim), lw.wo)
             x = x + per_sequence(segments, self._mlp, x, lw)
         if not compute_logits:

@@ -29,8 +29,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if type(self.max_tokens) is not int or self.max_tokens < 1:
             raise InvalidRequestError("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
+        if not (
+            isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0
+        ):
             raise InvalidRequestError("temperature", f"must be finite and >= 0, got {self.temperature!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise InvalidRequestError("top_p", f"must lie in (0, 1], got {self.top_p!r}")
@@ -52,8 +53,7 @@ class SamplingParams:
         return torch.Generator(device="cpu").manual_seed(seed)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams,
-           generator: torch.Generator | None) -> tuple[int, float]:
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, float]:
     """Pick a token from one row of logits (vocab,); return it and its log-probability under the
     model (untempered) distribution."""
     row = logits.detach().to(device="cpu", dtype=torch.float64)

@@ -61,8 +61,14 @@ def routes(connector: KVConnector, cache: KVCache) -> list[Route]:
 
     async def list_leases(request: Request) -> Response:
         now = time.monotonic()
-        return JSONResponse({"held": [{"request_id": x.request_id, "block_ids": list(x.block_ids),
-                                       "age_s": round(now - x.granted_s, 3)} for x in connector.held_leases()]})
+        return JSONResponse(
+            {
+                "held": [
+                    {"request_id": x.request_id, "block_ids": list(x.block_ids), "age_s": round(now - x.granted_s, 3)}
+                    for x in connector.held_leases()
+                ]
+            }
+        )
 
     async def expire(request: Request) -> Response:
         try:
@@ -75,11 +81,13 @@ def routes(connector: KVConnector, cache: KVCache) -> list[Route]:
         poison = bool(body.get("poison", False))
         out = {}
         for rid in names:  # (leases are named by their request's label here; their ids stay secret)
+
             def scrub(blocks: list[int], seed: int = zlib.crc32(rid.encode())) -> None:
                 poison_blocks(cache, blocks, seed)
 
-            states = [connector.expire_lease(x.lease_id, scrub if poison else None).value
-                      for x in held if x.request_id == rid]
+            states = [
+                connector.expire_lease(x.lease_id, scrub if poison else None).value for x in held if x.request_id == rid
+            ]
             out[rid] = states[0] if states else "unknown"
         return JSONResponse({"expired": out})
 

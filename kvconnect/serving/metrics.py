@@ -31,17 +31,29 @@ SNAPSHOT = {
     "kvconnect_handshake_failures": ("counter", "failed or timed-out handshakes", "handshake_failures"),
     "kvconnect_notifs": ("counter", "read notifications received (prefill side)", "notifs"),
     "kvconnect_stale_notifs": ("counter", "notifications naming another incarnation, ignored", "stale_notifs"),
-    "kvconnect_unknown_lease_requests": ("counter", "PIN/CONFIRM/RELEASE naming a lease not (yet) granted here",
-                                         "unknown_lease_requests"),
-    "kvconnect_side_channel_refused": ("counter", "side-channel messages refused: malformed, version, auth",
-                                       "side_channel_refused"),
+    "kvconnect_unknown_lease_requests": (
+        "counter",
+        "PIN/CONFIRM/RELEASE naming a lease not (yet) granted here",
+        "unknown_lease_requests",
+    ),
+    "kvconnect_side_channel_refused": (
+        "counter",
+        "side-channel messages refused: malformed, version, auth",
+        "side_channel_refused",
+    ),
     "kvconnect_abandoned_reads": ("gauge", "given-up READs that may still write into their blocks", "abandoned_reads"),
-    "kvconnect_quarantined_blocks": ("gauge", "blocks held until an abandoned READ into them ends",
-                                     "quarantined_blocks"),
+    "kvconnect_quarantined_blocks": (
+        "gauge",
+        "blocks held until an abandoned READ into them ends",
+        "quarantined_blocks",
+    ),
     "kvconnect_leases_held": ("gauge", "prefill leases waiting for a reader", "leases_held"),
     "kvconnect_lease_blocks_held": ("gauge", "blocks held by leases", "lease_blocks_held"),
-    "kvconnect_ipc_gather_unavailable": ("gauge", "1 when the IPC gather could not be compiled at start-up "
-                                         "(same-host GPU peers use NIXL)", "ipc_gather_unavailable"),
+    "kvconnect_ipc_gather_unavailable": (
+        "gauge",
+        "1 when the IPC gather could not be compiled at start-up (same-host GPU peers use NIXL)",
+        "ipc_gather_unavailable",
+    ),
 }
 
 
@@ -65,28 +77,45 @@ class _Snapshot:
 class WorkerMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.xfer_time = Histogram("kvconnect_nixl_xfer_time_seconds", "READ posted -> complete", registry=r,
-                                   buckets=_TIME_BUCKETS)
-        self.post_time = Histogram("kvconnect_nixl_post_time_seconds", "planning + posting one READ", registry=r,
-                                   buckets=_TIME_BUCKETS)
-        self.pull_time = Histogram("kvconnect_pull_time_seconds", "pull requested -> blocks usable",
-                                   registry=r, buckets=_TIME_BUCKETS)
-        self.bytes = Histogram("kvconnect_nixl_bytes_transferred", "bytes per pull", registry=r,
-                               buckets=_BYTE_BUCKETS)
-        self.paths = Counter("kvconnect_pulls_by_path", "completed pulls by plan path (block, direct, staging; "
-                             "'+'-joined when a request read several prefill ranks) and source count",
-                             ["path", "sources"], registry=r)
-        self.scatter_time = Histogram("kvconnect_staging_scatter_seconds", "staging path: staging -> decode cache",
-                                      registry=r, buckets=_TIME_BUCKETS)
-        self.descs = Histogram("kvconnect_nixl_num_descriptors", "descriptors per pull after run merging",
-                               registry=r, buckets=_DESC_BUCKETS)
-        self.failed = Counter("kvconnect_nixl_num_failed_transfers", "failed pulls by error class",
-                              ["reason"], registry=r)
+        self.xfer_time = Histogram(
+            "kvconnect_nixl_xfer_time_seconds", "READ posted -> complete", registry=r, buckets=_TIME_BUCKETS
+        )
+        self.post_time = Histogram(
+            "kvconnect_nixl_post_time_seconds", "planning + posting one READ", registry=r, buckets=_TIME_BUCKETS
+        )
+        self.pull_time = Histogram(
+            "kvconnect_pull_time_seconds", "pull requested -> blocks usable", registry=r, buckets=_TIME_BUCKETS
+        )
+        self.bytes = Histogram("kvconnect_nixl_bytes_transferred", "bytes per pull", registry=r, buckets=_BYTE_BUCKETS)
+        self.paths = Counter(
+            "kvconnect_pulls_by_path",
+            "completed pulls by plan path (block, direct, staging; "
+            "'+'-joined when a request read several prefill ranks) and source count",
+            ["path", "sources"],
+            registry=r,
+        )
+        self.scatter_time = Histogram(
+            "kvconnect_staging_scatter_seconds",
+            "staging path: staging -> decode cache",
+            registry=r,
+            buckets=_TIME_BUCKETS,
+        )
+        self.descs = Histogram(
+            "kvconnect_nixl_num_descriptors",
+            "descriptors per pull after run merging",
+            registry=r,
+            buckets=_DESC_BUCKETS,
+        )
+        self.failed = Counter(
+            "kvconnect_nixl_num_failed_transfers", "failed pulls by error class", ["reason"], registry=r
+        )
         self.requests = Counter("kvconnect_requests", "finished requests by outcome", ["outcome"], registry=r)
-        self.recomputed = Counter("kvconnect_recomputed_prefills", "prompts recomputed after a failed pull",
-                                  registry=r)
-        self.quarantined = Counter("kvconnect_quarantined_pulls", "failed pulls whose blocks were held until "
-                                   "their abandoned READ ended", registry=r)
+        self.recomputed = Counter("kvconnect_recomputed_prefills", "prompts recomputed after a failed pull", registry=r)
+        self.quarantined = Counter(
+            "kvconnect_quarantined_pulls",
+            "failed pulls whose blocks were held until their abandoned READ ended",
+            registry=r,
+        )
         self.free_blocks = Gauge("kvconnect_free_blocks", "free KV blocks", registry=r)
         self.running = Gauge("kvconnect_num_requests_running", "admitted requests", registry=r)
         self.waiting = Gauge("kvconnect_num_requests_waiting", "requests queued for blocks", registry=r)
@@ -99,12 +128,18 @@ class WorkerMetrics:
         """The start-up transport verdict: exported only by workers that ran one."""
         r = self.registry
         Gauge("kvconnect_transport_gbps", "start-up NIXL READ throughput (GB/s)", registry=r).set(verdict.gbps)
-        Gauge("kvconnect_transport_ceiling_gbps", "torch copy of the same bytes in the same run (GB/s)",
-              registry=r).set(verdict.ceiling_gbps)
+        Gauge(
+            "kvconnect_transport_ceiling_gbps", "torch copy of the same bytes in the same run (GB/s)", registry=r
+        ).set(verdict.ceiling_gbps)
         Gauge("kvconnect_transport_ratio", "READ / ceiling", registry=r).set(verdict.ratio)
         Info("kvconnect_transport", "UCX transport of the start-up READ", registry=r).info(
-            {"transport": verdict.transport, "mem_kind": verdict.mem_kind, "protocol": verdict.protocol,
-             "ucx_config": ";".join(verdict.ucx_config)})
+            {
+                "transport": verdict.transport,
+                "mem_kind": verdict.mem_kind,
+                "protocol": verdict.protocol,
+                "ucx_config": ";".join(verdict.ucx_config),
+            }
+        )
 
     def on_pull_done(self, stats: PullStats, error: KVConnectError | None) -> None:
         if error is not None:

@@ -67,8 +67,9 @@ def parse_body(raw: bytes, chat: bool) -> GenerateBody:
     return body
 
 
-def _choice(text: str, token_ids: list[int], finish: str | None, with_ids: bool,
-            chat_part: dict[str, Any] | None) -> dict[str, Any]:
+def _choice(
+    text: str, token_ids: list[int], finish: str | None, with_ids: bool, chat_part: dict[str, Any] | None
+) -> dict[str, Any]:
     """One choice: chat answers carry `chat_part` (message or delta), completions carry `text`."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
     choice.update(chat_part if chat_part is not None else {"text": text})
@@ -78,8 +79,15 @@ def _choice(text: str, token_ids: list[int], finish: str | None, with_ids: bool,
 
 
 def completion_response(
-    request_id: str, model: str, text: str, token_ids: list[int], finish: str | None, num_prompt: int,
-    chat: bool, kv_transfer_params: dict[str, Any] | None, with_ids: bool,
+    request_id: str,
+    model: str,
+    text: str,
+    token_ids: list[int],
+    finish: str | None,
+    num_prompt: int,
+    chat: bool,
+    kv_transfer_params: dict[str, Any] | None,
+    with_ids: bool,
 ) -> dict[str, Any]:
     message = {"role": "assistant", "content": text}
     choice = _choice(text, token_ids, finish, with_ids, {"message": message} if chat else None)
@@ -89,15 +97,24 @@ def completion_response(
         "created": int(time.time()),
         "model": model,
         "choices": [choice],
-        "usage": {"prompt_tokens": num_prompt, "completion_tokens": len(token_ids),
-                  "total_tokens": num_prompt + len(token_ids)},
+        "usage": {
+            "prompt_tokens": num_prompt,
+            "completion_tokens": len(token_ids),
+            "total_tokens": num_prompt + len(token_ids),
+        },
         "kv_transfer_params": kv_transfer_params,
     }
 
 
 def stream_chunk(
-    request_id: str, model: str, text: str, token_ids: list[int], finish: str | None, chat: bool,
-    with_ids: bool, first: bool = False,
+    request_id: str,
+    model: str,
+    text: str,
+    token_ids: list[int],
+    finish: str | None,
+    chat: bool,
+    with_ids: bool,
+    first: bool = False,
 ) -> dict[str, Any]:
     delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
     choice = _choice(text, token_ids, finish, with_ids, {"delta": delta} if chat else None)

@@ -43,9 +43,11 @@ def check_remote_blocks(params: KVTransferParams, num_prompt_tokens: int, block_
         raise InvalidRequestError(field, "duplicated block ids")
     if params.remote_num_tokens is not None:
         if params.remote_num_tokens != num_prompt_tokens - 1:
-            raise InvalidRequestError("kv_transfer_params.remote_num_tokens",
-                                      f"the blocks hold {params.remote_num_tokens} tokens, but a {num_prompt_tokens}-"
-                                      f"token prompt needs the KV of {num_prompt_tokens - 1}")
+            raise InvalidRequestError(
+                "kv_transfer_params.remote_num_tokens",
+                f"the blocks hold {params.remote_num_tokens} tokens, but a {num_prompt_tokens}-"
+                f"token prompt needs the KV of {num_prompt_tokens - 1}",
+            )
         return
     need = blocks_to_transfer(num_prompt_tokens, block_size)
     have = len(ids)
@@ -91,8 +93,14 @@ FailureCallback = Callable[[str, KVConnectError, bool], None]
 class PullLoader:
     """KVLoader: pull the remote prompt blocks into the blocks the engine allocated."""
 
-    def __init__(self, connector: KVConnector, params: KVTransferParams, policy: FailurePolicy, block_size: int,
-                 on_failed: FailureCallback | None = None) -> None:
+    def __init__(
+        self,
+        connector: KVConnector,
+        params: KVTransferParams,
+        policy: FailurePolicy,
+        block_size: int,
+        on_failed: FailureCallback | None = None,
+    ) -> None:
         self._connector = connector
         self._params = params
         self._policy = policy

@@ -48,19 +48,27 @@ class ClientGone(Exception):
 class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("kvconnect_proxy_requests", "requests by outcome: ok, bad_request, "
-                                "prefill_failed, decode_failed, client_aborted", ["outcome"], registry=r)
-        self.leg_errors = Counter("kvconnect_proxy_leg_errors", "failed legs by leg and error class",
-                                  ["leg", "reason"], registry=r)
-        self.releases = Counter("kvconnect_proxy_lease_releases", "prefill leases released by the proxy",
-                                ["reason", "state"], registry=r)
-        self.in_flight = Gauge("kvconnect_proxy_legs_in_flight", "legs waiting for a worker's answer",
-                               ["leg"], registry=r)
+        self.requests = Counter(
+            "kvconnect_proxy_requests",
+            "requests by outcome: ok, bad_request, prefill_failed, decode_failed, client_aborted",
+            ["outcome"],
+            registry=r,
+        )
+        self.leg_errors = Counter(
+            "kvconnect_proxy_leg_errors", "failed legs by leg and error class", ["leg", "reason"], registry=r
+        )
+        self.releases = Counter(
+            "kvconnect_proxy_lease_releases", "prefill leases released by the proxy", ["reason", "state"], registry=r
+        )
+        self.in_flight = Gauge(
+            "kvconnect_proxy_legs_in_flight", "legs waiting for a worker's answer", ["leg"], registry=r
+        )
 
 
 class Proxy:
-    def __init__(self, prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 300.0,
-                 secret: str = "") -> None:
+    def __init__(
+        self, prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 300.0, secret: str = ""
+    ) -> None:
         if not prefill_urls or not decode_urls:
             raise ConfigError("the proxy needs at least one --prefill and one --decode URL")
         self.prefill_urls = [u.rstrip("/") for u in prefill_urls]
@@ -99,8 +107,9 @@ class Proxy:
         finally:
             gone.cancel()
 
-    async def _legs(self, request_id: str, path: str, body: dict[str, Any], headers: dict[str, str],
-                    gone: asyncio.Future[None]) -> Response:
+    async def _legs(
+        self, request_id: str, path: str, body: dict[str, Any], headers: dict[str, str], gone: asyncio.Future[None]
+    ) -> Response:
         assert self.client is not None
         prefill_url = self.prefill_urls[next(self._prefill_rr)]
         leg = {k: v for k, v in body.items() if k not in ("stream_options",)}
@@ -151,9 +160,12 @@ class Proxy:
                 await upstream.aclose()
             self.metrics.requests.labels("ok").inc()
             return Response(content, media_type=media, headers={"x-request-id": request_id})
-        return StreamingResponse(self._relay(request_id, decode_url, upstream), media_type=media,
-                                 headers={"x-request-id": request_id},
-                                 background=BackgroundTask(upstream.aclose))
+        return StreamingResponse(
+            self._relay(request_id, decode_url, upstream),
+            media_type=media,
+            headers={"x-request-id": request_id},
+            background=BackgroundTask(upstream.aclose),
+        )
 
     async def _relay(self, request_id: str, url: str, upstream: httpx.Response) -> AsyncIterator[bytes]:
         try:
@@ -187,19 +199,31 @@ class Proxy:
             return
         if kv is None or not lease_client.release_targets(kv):
             return
-        answers = await asyncio.to_thread(lease_client.release_everywhere, zmq.Context.instance(), kv, "proxy",
-                                          self._secret, 2.0)
+        answers = await asyncio.to_thread(
+            lease_client.release_everywhere, zmq.Context.instance(), kv, "proxy", self._secret, 2.0
+        )
         for rank, state in sorted(answers.items()):
             self.metrics.releases.labels(reason, state if not state.startswith("error") else "error").inc()
-            log.info("request %s: prefill lease %s rank %d released (%s): now %s", request_id, kv.remote_request_id,
-                     rank, reason, state)
+            log.info(
+                "request %s: prefill lease %s rank %d released (%s): now %s",
+                request_id,
+                kv.remote_request_id,
+                rank,
+                reason,
+                state,
+            )
 
     def _count_failure(self, request_id: str, leg: str, url: str, error: object) -> str:
         reason = type(error).__name__ if isinstance(error, Exception) else "bad_answer"
         self.metrics.requests.labels(f"{leg}_failed").inc()
         self.metrics.leg_errors.labels(leg, reason).inc()
-        log.warning("request %s: %s leg to %s failed: %s", request_id, leg, url,
-                    f"{reason}: {error}" if isinstance(error, Exception) else error)
+        log.warning(
+            "request %s: %s leg to %s failed: %s",
+            request_id,
+            leg,
+            url,
+            f"{reason}: {error}" if isinstance(error, Exception) else error,
+        )
         return f"{reason}: {error}" if isinstance(error, Exception) else str(error)
 
     def _leg_failed(self, request_id: str, leg: str, url: str, error: object) -> JSONResponse:
@@ -217,8 +241,9 @@ class Proxy:
         self.metrics.leg_errors.labels(leg, f"http_{resp.status_code}").inc()
         # (info: the worker that refused or failed the leg has logged it already)
         log.info("request %s: %s leg to %s answered %d: %s", request_id, leg, url, resp.status_code, inner)
-        return JSONResponse(error_body(status, f"{leg} worker answered {resp.status_code}: {_unnamed(inner, url)}"),
-                            status_code=status)
+        return JSONResponse(
+            error_body(status, f"{leg} worker answered {resp.status_code}: {_unnamed(inner, url)}"), status_code=status
+        )
 
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type="text/plain; version=0.0.4")

@@ -50,8 +50,10 @@ ROLES = ("prefill", "decode", "both")
 MODEL_NAME = "kvconnect-tiny-llama"
 # what a client hears about any lease the prefill would not let it read: never which of unknown, ended, read
 # by another decode or not holding those blocks (that would let a client probe other requests' leases)
-LEASE_NOT_READABLE = ("KV transfer from the prefill worker failed: LeaseLostError: the prefill holds no lease "
-                      "these kv_transfer_params may read (never granted, ended, or read by another decode)")
+LEASE_NOT_READABLE = (
+    "KV transfer from the prefill worker failed: LeaseLostError: the prefill holds no lease "
+    "these kv_transfer_params may read (never granted, ended, or read by another decode)"
+)
 
 
 class Worker:
@@ -68,8 +70,12 @@ class Worker:
         self.metrics = WorkerMetrics()
         if self.verdict is not None:
             self.metrics.on_verdict(self.verdict)
-        self.connector = KVConnector(self.engine.cache, conn_config, on_blocks_freed=self.engine.allocator.free,
-                                     on_pull_done=self.metrics.on_pull_done)
+        self.connector = KVConnector(
+            self.engine.cache,
+            conn_config,
+            on_blocks_freed=self.engine.allocator.free,
+            on_pull_done=self.metrics.on_pull_done,
+        )
         self.metrics.bind(self._snapshot)
         self.block_size = engine_config.block_size
         self.engine.start()
@@ -87,8 +93,14 @@ class Worker:
             if not isinstance(error, InvalidRequestError):  # (PullLoader.policy: a bad request is refused)
                 self.metrics.recomputed.inc()  # the engine computes the prompt in the same blocks
 
-    def _submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                loader: PullLoader | None, keeper: LeaseKeeper | None) -> asyncio.Queue[TokenEvent]:
+    def _submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        loader: PullLoader | None,
+        keeper: LeaseKeeper | None,
+    ) -> asyncio.Queue[TokenEvent]:
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
@@ -112,8 +124,13 @@ class Worker:
             body = api.parse_body(raw, chat)
             kv = parse_kv_transfer_params(body.kv_transfer_params)
             prompt_ids = self._tokenize(body)
-            sampling = SamplingParams(max_tokens=body.limit, temperature=body.temperature, top_p=body.top_p,
-                                      seed=body.seed, ignore_eos=body.ignore_eos)
+            sampling = SamplingParams(
+                max_tokens=body.limit,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                seed=body.seed,
+                ignore_eos=body.ignore_eos,
+            )
             keeper = loader = None
             if kv is not None and kv.do_remote_decode:
                 if self.role == "decode":
@@ -121,11 +138,15 @@ class Worker:
                 keeper = LeaseKeeper(self.connector, self.engine.allocator.free, self.block_size)
             elif kv is not None and kv.do_remote_prefill:
                 if self.role == "prefill":
-                    raise InvalidRequestError("kv_transfer_params.do_remote_prefill",
-                                              "this worker's role is prefill")
+                    raise InvalidRequestError("kv_transfer_params.do_remote_prefill", "this worker's role is prefill")
                 check_remote_blocks(kv, len(prompt_ids), self.block_size)
-                loader = PullLoader(self.connector, kv, self.connector.config.failure_policy, self.block_size,
-                                    on_failed=self._on_pull_failed)
+                loader = PullLoader(
+                    self.connector,
+                    kv,
+                    self.connector.config.failure_policy,
+                    self.block_size,
+                    on_failed=self._on_pull_failed,
+                )
             events = self._submit(request_id, prompt_ids, sampling, loader, keeper)
         except LocalError as e:
             if kv is None and raw is not None:
@@ -160,14 +181,29 @@ class Worker:
                 return self._failed(ev, loader)
         text = self.engine.tokenizer.decode(ids)
         self.metrics.requests.labels(finish or "unknown").inc()
-        out = api.completion_response(request_id, MODEL_NAME, text, ids, finish, len(prompt_ids), chat,
-                                      self._params_out(keeper), body.return_token_ids)
+        out = api.completion_response(
+            request_id,
+            MODEL_NAME,
+            text,
+            ids,
+            finish,
+            len(prompt_ids),
+            chat,
+            self._params_out(keeper),
+            body.return_token_ids,
+        )
         if loader is not None and loader.handle is not None and loader.handle.done() and loader.error is None:
             out["kvconnect_transfer"] = msgspec.to_builtins(loader.handle.stats)
         return JSONResponse(out)
 
-    async def _events(self, request: Request, request_id: str, first: TokenEvent,
-                      events: asyncio.Queue[TokenEvent], loader: PullLoader | None) -> AsyncIterator[TokenEvent]:
+    async def _events(
+        self,
+        request: Request,
+        request_id: str,
+        first: TokenEvent,
+        events: asyncio.Queue[TokenEvent],
+        loader: PullLoader | None,
+    ) -> AsyncIterator[TokenEvent]:
         ev = first
         try:
             while True:
@@ -182,16 +218,33 @@ class Worker:
                 loader.abandon()
             raise
 
-    async def _stream(self, request: Request, request_id: str, body: api.GenerateBody, first: TokenEvent,
-                      events: asyncio.Queue[TokenEvent], keeper: LeaseKeeper | None, loader: PullLoader | None,
-                      chat: bool, num_prompt: int) -> AsyncIterator[bytes]:
+    async def _stream(
+        self,
+        request: Request,
+        request_id: str,
+        body: api.GenerateBody,
+        first: TokenEvent,
+        events: asyncio.Queue[TokenEvent],
+        keeper: LeaseKeeper | None,
+        loader: PullLoader | None,
+        chat: bool,
+        num_prompt: int,
+    ) -> AsyncIterator[bytes]:
         decoder = self.engine.tokenizer.incremental_decoder()
         out_id = request_id.removesuffix(":recompute")
         is_first = True
         async for ev in self._events(request, request_id, first, events, loader):
             if ev.token_id is not None:
-                chunk = api.stream_chunk(out_id, MODEL_NAME, decoder.feed(ev.token_id), [ev.token_id], None,
-                                         chat, body.return_token_ids, first=is_first)
+                chunk = api.stream_chunk(
+                    out_id,
+                    MODEL_NAME,
+                    decoder.feed(ev.token_id),
+                    [ev.token_id],
+                    None,
+                    chat,
+                    body.return_token_ids,
+                    first=is_first,
+                )
                 is_first = False
                 yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
             if ev.finished:
@@ -201,11 +254,15 @@ class Worker:
                     err = api.error_body(502, ev.error or "generation failed")
                     yield b"data: " + json.dumps(err).encode() + b"\n\n"
                 else:
-                    chunk = api.stream_chunk(out_id, MODEL_NAME, decoder.flush(), [], reason, chat,
-                                             body.return_token_ids, first=is_first)
+                    chunk = api.stream_chunk(
+                        out_id, MODEL_NAME, decoder.flush(), [], reason, chat, body.return_token_ids, first=is_first
+                    )
                     chunk["kv_transfer_params"] = self._params_out(keeper)
-                    chunk["usage"] = {"prompt_tokens": num_prompt, "completion_tokens": ev.num_output_tokens,
-                                      "total_tokens": num_prompt + ev.num_output_tokens}
+                    chunk["usage"] = {
+                        "prompt_tokens": num_prompt,
+                        "completion_tokens": ev.num_output_tokens,
+                        "total_tokens": num_prompt + ev.num_output_tokens,
+                    }
                     yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
 
@@ -236,27 +293,36 @@ class Worker:
     @staticmethod
     def _error(status: int, error: KVConnectError, prefix: str = "") -> JSONResponse:
         field = getattr(error, "field", None)
-        return JSONResponse(api.error_body(status, prefix + f"{type(error).__name__}: {error}", field),
-                            status_code=status)
+        return JSONResponse(
+            api.error_body(status, prefix + f"{type(error).__name__}: {error}", field), status_code=status
+        )
 
     # --- small endpoints ---------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
         snap = self.connector.snapshot()
-        return JSONResponse({"status": "ok", "role": self.role, "engine_id": snap.engine_id,
-                             "incarnation_id": snap.incarnation_id,
-                             "free_blocks": self.engine.allocator.num_free,
-                             "total_blocks": self.engine.allocator.num_total,
-                             "leased_blocks": snap.lease_blocks_held,
-                             "allocated_blocks": self.engine.allocator.num_allocated,
-                             "quarantined_blocks": snap.quarantined_blocks,
-                             "loading": self.engine.num_loading, "running": self.engine.num_running,
-                             "side_channel_port": snap.side_channel_port,
-                             "transport_verdict": msgspec.to_builtins(self.verdict)})
+        return JSONResponse(
+            {
+                "status": "ok",
+                "role": self.role,
+                "engine_id": snap.engine_id,
+                "incarnation_id": snap.incarnation_id,
+                "free_blocks": self.engine.allocator.num_free,
+                "total_blocks": self.engine.allocator.num_total,
+                "leased_blocks": snap.lease_blocks_held,
+                "allocated_blocks": self.engine.allocator.num_allocated,
+                "quarantined_blocks": snap.quarantined_blocks,
+                "loading": self.engine.num_loading,
+                "running": self.engine.num_running,
+                "side_channel_port": snap.side_channel_port,
+                "transport_verdict": msgspec.to_builtins(self.verdict),
+            }
+        )
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": MODEL_NAME, "object": "model",
-                                                         "owned_by": "kvconnect"}]})
+        return JSONResponse(
+            {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "kvconnect"}]}
+        )
 
     async def metrics_endpoint(self, request: Request) -> Response:
         m = self.metrics

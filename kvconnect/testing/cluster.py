@@ -54,25 +54,45 @@ class Cluster:
         return env
 
     def _spawn(self, name: str, args: list[str]) -> None:
-        cmd = [sys.executable, "-m", "kvconnect.cli", "--log-level", "WARNING", *args,
-               *self.extra_args.get(name, [])]
+        cmd = [sys.executable, "-m", "kvconnect.cli", "--log-level", "WARNING", *args, *self.extra_args.get(name, [])]
         self._cmds[name] = cmd
         self._start(name)
 
     def _start(self, name: str) -> None:
         if not self.log_dir:
-            self.procs[name] = subprocess.Popen(self._cmds[name], env=self.env(name),
-                                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            self.procs[name] = subprocess.Popen(
+                self._cmds[name], env=self.env(name), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+            )
             return
         with open(os.path.join(self.log_dir, f"{name}.log"), "ab") as out:  # the child keeps its own copy
-            self.procs[name] = subprocess.Popen(self._cmds[name], env=self.env(name), stdout=out,
-                                                stderr=subprocess.STDOUT)
+            self.procs[name] = subprocess.Popen(
+                self._cmds[name], env=self.env(name), stdout=out, stderr=subprocess.STDOUT
+            )
 
     def _worker(self, name: str, role: str, layout: str) -> None:
         port = free_port()
-        self._spawn(name, ["serve", "--role", role, "--host", "127.0.0.1", "--port", str(port),
-                           "--side-channel-host", "127.0.0.1", "--layout", layout, "--block-size",
-                           str(self.block_size), "--device", self.device, "--engine-id", f"demo-{name}"])
+        self._spawn(
+            name,
+            [
+                "serve",
+                "--role",
+                role,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--side-channel-host",
+                "127.0.0.1",
+                "--layout",
+                layout,
+                "--block-size",
+                str(self.block_size),
+                "--device",
+                self.device,
+                "--engine-id",
+                f"demo-{name}",
+            ],
+        )
         self.urls[name] = f"http://127.0.0.1:{port}"
 
     def __enter__(self) -> Cluster:
@@ -84,8 +104,10 @@ class Cluster:
                 self._worker("aggregated", "both", self.decode_layout)
             port = free_port()
             decode_args = [a for name in self.decodes for a in ("--decode", self.urls[name])]
-            self._spawn("proxy", ["proxy", "--host", "127.0.0.1", "--port", str(port), "--prefill",
-                                  self.urls["prefill"], *decode_args])
+            self._spawn(
+                "proxy",
+                ["proxy", "--host", "127.0.0.1", "--port", str(port), "--prefill", self.urls["prefill"], *decode_args],
+            )
             self.urls["proxy"] = f"http://127.0.0.1:{port}"
             self.wait_healthy()
         except BaseException:
@@ -130,8 +152,7 @@ class Cluster:
         while pending:
             for name, proc in self.procs.items():
                 if proc.poll() is not None and (only is None or name in only):
-                    raise RuntimeError(f"a demo process exited early with status {proc.returncode} "
-                                       f"({proc.args!r})")
+                    raise RuntimeError(f"a demo process exited early with status {proc.returncode} ({proc.args!r})")
             for name, url in list(pending.items()):
                 try:
                     if httpx.get(url + "/health", timeout=1.0).status_code == 200:
@@ -162,8 +183,9 @@ class Cluster:
         self.stop()
 
 
-def complete(url: str, prompt: str, max_tokens: int, stream: bool = False, chat: bool = False,
-             timeout_s: float = 120.0) -> dict[str, Any]:
+def complete(
+    url: str, prompt: str, max_tokens: int, stream: bool = False, chat: bool = False, timeout_s: float = 120.0
+) -> dict[str, Any]:
     """One request; returns {"token_ids", "text", "transfer", "status"} (streamed answers reassembled)."""
     body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0, "return_token_ids": True, "stream": stream}
     if chat:
@@ -178,8 +200,12 @@ def complete(url: str, prompt: str, max_tokens: int, stream: bool = False, chat:
             return {"status": r.status_code, "error": data.get("error", {}).get("message"), "token_ids": None}
         choice = data["choices"][0]
         text = choice["message"]["content"] if chat else choice["text"]
-        return {"status": 200, "token_ids": choice["token_ids"], "text": text,
-                "transfer": data.get("kvconnect_transfer")}
+        return {
+            "status": 200,
+            "token_ids": choice["token_ids"],
+            "text": text,
+            "transfer": data.get("kvconnect_transfer"),
+        }
     ids: list[int] = []
     text = ""
     with httpx.stream("POST", url + path, json=body, timeout=timeout_s) as r:

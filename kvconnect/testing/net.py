@@ -67,8 +67,9 @@ def free_port_run(count: int, host: str = "127.0.0.1") -> int:
     raise KVConnectError(f"no {count} consecutive free ports on {host}")
 
 
-def poll_until(predicate: Callable[[], T], timeout_s: float = 15.0, what: str = "condition",
-               interval_s: float = 0.02) -> T:
+def poll_until(
+    predicate: Callable[[], T], timeout_s: float = 15.0, what: str = "condition", interval_s: float = 0.02
+) -> T:
     """The first truthy value of `predicate()`; AssertionError naming `what` after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     last: Any = None

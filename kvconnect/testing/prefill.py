@@ -58,8 +58,9 @@ def rank_tokens(cache: Any, block_ids: list[int], num_tokens: int) -> Any:
     spec = cache.spec
     layers = []
     for layer in range(spec.num_layers):
-        halves = [view[block_ids].reshape(-1, spec.num_kv_heads, spec.head_dim)[:num_tokens].cpu()
-                  for view in cache.kv(layer)]
+        halves = [
+            view[block_ids].reshape(-1, spec.num_kv_heads, spec.head_dim)[:num_tokens].cpu() for view in cache.kv(layer)
+        ]
         layers.append(torch.stack(halves, dim=1))
     return torch.stack(layers, dim=1)
 
@@ -106,10 +107,18 @@ class _Server:
 
         self.close()
         g = geometry
-        views, self.raw = make_views(shape, g["layers"], g["blocks"], g["heads"], g["tokens"], g["head_dim"],
-                                     seed=seed, device=self.device)
-        self.cache = describe(views, num_blocks=g["blocks"], block_size=g["tokens"], tp_size=1, tp_rank=0,
-                              total_kv_heads=g["heads"], page=str(g.get("page", "vllm:cuda"))).cache
+        views, self.raw = make_views(
+            shape, g["layers"], g["blocks"], g["heads"], g["tokens"], g["head_dim"], seed=seed, device=self.device
+        )
+        self.cache = describe(
+            views,
+            num_blocks=g["blocks"],
+            block_size=g["tokens"],
+            tp_size=1,
+            tp_rank=0,
+            total_kv_heads=g["heads"],
+            page=str(g.get("page", "vllm:cuda")),
+        ).cache
         return self._serve(port)
 
     def _serve(self, port: int) -> tuple[int, str]:
@@ -241,15 +250,15 @@ class PrefillProcess:
         parent, child = ctx.Pipe()
         child_env = {**{k: os.environ[k] for k in UCX_VARS if k in os.environ}, **(env or {})}
         config.setdefault("side_channel_host", "127.0.0.1")
-        proc = ctx.Process(target=_main, args=(child, child_env, device, config), daemon=True,
-                           name="kvconnect-prefill")
+        proc = ctx.Process(target=_main, args=(child, child_env, device, config), daemon=True, name="kvconnect-prefill")
         proc.start()
         child.close()
         return cls(proc, parent)
 
     @classmethod
-    def start(cls, spec: CacheSpec, seed: int = 1, env: dict[str, str] | None = None, device: str | None = None,
-              **config: Any) -> PrefillProcess:
+    def start(
+        cls, spec: CacheSpec, seed: int = 1, env: dict[str, str] | None = None, device: str | None = None, **config: Any
+    ) -> PrefillProcess:
         """Launch, wait, and set up one cache: a ready prefill worker."""
         peer = cls.launch(env, device or spec.device, **config)
         try:
@@ -295,10 +304,12 @@ class PrefillProcess:
     def wait_setup(self) -> None:
         self.port, self.incarnation_id = self.answer("setup", START_TIMEOUT_S)
 
-    def lease(self, request_id: str, block_ids: list[int], num_tokens: int | None = None,
-              lease_id: str | None = None) -> KVTransferParams:
-        return msgspec.json.decode(self.ask("lease", request_id, block_ids, num_tokens, lease_id),
-                                   type=KVTransferParams)
+    def lease(
+        self, request_id: str, block_ids: list[int], num_tokens: int | None = None, lease_id: str | None = None
+    ) -> KVTransferParams:
+        return msgspec.json.decode(
+            self.ask("lease", request_id, block_ids, num_tokens, lease_id), type=KVTransferParams
+        )
 
     def settle(self, request_id: str, timeout_s: float) -> str:
         return str(self.ask("settle", request_id, timeout_s, timeout_s=timeout_s + 10))

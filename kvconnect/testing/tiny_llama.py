@@ -63,20 +63,38 @@ def build(directory: str | Path, model: TinyLlama) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<s>", "</s>", "<unk>", "<pad>"]
-    tok.train_from_iterator(_corpus(), trainer=trainers.BpeTrainer(
-        vocab_size=model.vocab, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                     pad_token="<pad>")
+    tok.train_from_iterator(
+        _corpus(),
+        trainer=trainers.BpeTrainer(
+            vocab_size=model.vocab,
+            special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
     # a chat template, so /v1/chat/completions works (plain, deterministic)
-    hf_tok.chat_template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
-                            "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    hf_tok.chat_template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
     torch.manual_seed(model.seed)
-    cfg = LlamaConfig(vocab_size=len(hf_tok), hidden_size=model.hidden, intermediate_size=model.intermediate,
-                      num_hidden_layers=model.layers, num_attention_heads=model.heads,
-                      num_key_value_heads=model.kv_heads, head_dim=model.head_dim,
-                      max_position_embeddings=model.max_positions, bos_token_id=hf_tok.bos_token_id,
-                      eos_token_id=hf_tok.eos_token_id, pad_token_id=hf_tok.pad_token_id, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=len(hf_tok),
+        hidden_size=model.hidden,
+        intermediate_size=model.intermediate,
+        num_hidden_layers=model.layers,
+        num_attention_heads=model.heads,
+        num_key_value_heads=model.kv_heads,
+        head_dim=model.head_dim,
+        max_position_embeddings=model.max_positions,
+        bos_token_id=hf_tok.bos_token_id,
+        eos_token_id=hf_tok.eos_token_id,
+        pad_token_id=hf_tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
     net: Any = LlamaForCausalLM(cfg)
     net.to(torch.bfloat16).save_pretrained(out)
     hf_tok.save_pretrained(out)
@@ -89,4 +107,4 @@ def prompt_of(tokens: int, seed: int) -> str:
     offset): varied, deterministic prompts of a wanted length."""
     text = "\n".join(_corpus())
     start = (seed * 7919) % max(len(text) - 8 * tokens - 1, 1)
-    return text[start:start + max(int(tokens * 2.6), 1)]  # (~2.6 characters per token for this tokenizer)
+    return text[start : start + max(int(tokens * 2.6), 1)]  # (~2.6 characters per token for this tokenizer)

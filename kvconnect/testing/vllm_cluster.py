@@ -29,8 +29,13 @@ from kvconnect.testing.net import free_port, free_port_run
 STARTUP_S = 420.0  # three engines starting together on two cores take ~45 s; leave room for a loaded CI box
 
 
-def connector_json(connector: str, role: str, module: str | None = None, extra: dict[str, Any] | None = None,
-                   failure_policy: str | None = None) -> str:
+def connector_json(
+    connector: str,
+    role: str,
+    module: str | None = None,
+    extra: dict[str, Any] | None = None,
+    failure_policy: str | None = None,
+) -> str:
     """A `--kv-transfer-config` value."""
     cfg: dict[str, Any] = {"kv_connector": connector, "kv_role": role, "kv_connector_extra_config": extra or {}}
     if module:
@@ -76,24 +81,52 @@ class VllmCluster:
 
     def base_env(self, server: Server) -> dict[str, str]:
         env = dict(os.environ)
-        env.update({
-            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(server.core + i) for i in range(server.tensor_parallel)),
-            "UCX_TLS": env.get("UCX_TLS", "tcp,cma,sm,self"), "UCX_NET_DEVICES": env.get("UCX_NET_DEVICES", "lo"),
-            "NIXL_LOG_LEVEL": "WARN", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_HOST_IP": "127.0.0.1",
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "PYTHONUNBUFFERED": "1",
-        })
+        env.update(
+            {
+                "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+                "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(server.core + i) for i in range(server.tensor_parallel)),
+                "UCX_TLS": env.get("UCX_TLS", "tcp,cma,sm,self"),
+                "UCX_NET_DEVICES": env.get("UCX_NET_DEVICES", "lo"),
+                "NIXL_LOG_LEVEL": "WARN",
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1",
+                "VLLM_HOST_IP": "127.0.0.1",
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         if self.rpc_dir:
             env["VLLM_RPC_BASE_PATH"] = self.rpc_dir
         env.update(server.env)
         return env
 
     def _command(self, server: Server, port: int) -> list[str]:
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
-               "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", self.dtype,
-               "--block-size", str(self.block_size), "--max-model-len", str(self.max_model_len),
-               "--max-num-seqs", "8", "--enforce-eager", "--seed", "0"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model_dir,
+            "--served-model-name",
+            "tiny",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            self.dtype,
+            "--block-size",
+            str(self.block_size),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--max-num-seqs",
+            "8",
+            "--enforce-eager",
+            "--seed",
+            "0",
+        ]
         if server.tensor_parallel > 1:
             cmd += ["--tensor-parallel-size", str(server.tensor_parallel), "--distributed-executor-backend", "mp"]
         if server.kv_transfer_config:
@@ -112,8 +145,20 @@ class VllmCluster:
             if self.proxy_for is not None:
                 prefill, decodes = self.proxy_for
                 port = free_port()
-                cmd = [sys.executable, "-m", "kvconnect.cli", "--log-level", "INFO", "proxy", "--host", "127.0.0.1",
-                       "--port", str(port), "--prefill", self.urls[prefill]]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "kvconnect.cli",
+                    "--log-level",
+                    "INFO",
+                    "proxy",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--prefill",
+                    self.urls[prefill],
+                ]
                 for name in decodes:
                     cmd += ["--decode", self.urls[name]]
                 self.urls["proxy"] = f"http://127.0.0.1:{port}"
@@ -128,8 +173,9 @@ class VllmCluster:
     def _spawn(self, name: str) -> None:
         cmd, env = self._cmds[name]
         with open(Path(self.log_dir) / f"{name}.log", "ab") as out:
-            self.procs[name] = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                                start_new_session=True)
+            self.procs[name] = subprocess.Popen(
+                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def wait_healthy(self, names: list[str], timeout_s: float = STARTUP_S) -> None:
         deadline = time.monotonic() + timeout_s
@@ -137,16 +183,19 @@ class VllmCluster:
         while pending:
             for name in sorted(pending):
                 if self.procs[name].poll() is not None:
-                    raise RuntimeError(f"{name} exited with {self.procs[name].returncode} while starting:\n"
-                                       f"{self.log_tail(name)}")
+                    raise RuntimeError(
+                        f"{name} exited with {self.procs[name].returncode} while starting:\n{self.log_tail(name)}"
+                    )
                 try:
                     if httpx.get(self.urls[name] + "/health", timeout=2.0).status_code == 200:
                         pending.discard(name)
                 except httpx.HTTPError:
                     pass
             if pending and time.monotonic() > deadline:
-                raise RuntimeError(f"not healthy within {timeout_s:.0f}s: {sorted(pending)}\n" +
-                                   "\n".join(self.log_tail(n) for n in sorted(pending)))
+                raise RuntimeError(
+                    f"not healthy within {timeout_s:.0f}s: {sorted(pending)}\n"
+                    + "\n".join(self.log_tail(n) for n in sorted(pending))
+                )
             time.sleep(0.25)
 
     def log_tail(self, name: str, lines: int = 40) -> str:
@@ -202,12 +251,27 @@ def side_channel_base(tp: int) -> int:
     return free_port_run(tp)
 
 
-def generate(url: str, prompt: str, max_tokens: int, *, chat: bool = False, stream: bool = False,
-             timeout_s: float = 300.0, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def generate(
+    url: str,
+    prompt: str,
+    max_tokens: int,
+    *,
+    chat: bool = False,
+    stream: bool = False,
+    timeout_s: float = 300.0,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """One greedy request to an OpenAI server: {"status", "token_ids", "text", "error", "ttft_s", "total_s",
     "kv_transfer_params"} (streamed answers reassembled; ttft_s: first streamed token, else the whole answer)."""
-    body: dict[str, Any] = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True,
-                            "stream": stream, "ignore_eos": True, **(extra or {})}
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+        "stream": stream,
+        "ignore_eos": True,
+        **(extra or {}),
+    }
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:

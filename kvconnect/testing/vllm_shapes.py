@@ -30,9 +30,17 @@ def _filled(numel: int, dtype: torch.dtype, seed: int, device: str) -> torch.Ten
     return torch.randn(numel, generator=gen).to(dtype).to(device)
 
 
-def packed_views(order: str, layers: int, blocks: int, heads: int, tokens: int, head_dim: int,
-                 dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                 device: str = "cpu") -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def packed_views(
+    order: str,
+    layers: int,
+    blocks: int,
+    heads: int,
+    tokens: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    device: str = "cpu",
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """(per-layer [B, H, N, C] views, the raw buffer under them), random values from `seed`."""
     if sorted(order) != sorted(DIMS):
         raise ValueError(f"order {order!r} is not a permutation of {DIMS}")
@@ -43,14 +51,26 @@ def packed_views(order: str, layers: int, blocks: int, heads: int, tokens: int, 
         stride[dim] = step
         step *= size[dim]
     raw = _filled(step, dtype, seed, device)
-    views = {layer_name(layer): torch.as_strided(raw, [size[d] for d in "BHNC"], [stride[d] for d in "BHNC"],
-                                                 layer * stride["L"]) for layer in range(layers)}
+    views = {
+        layer_name(layer): torch.as_strided(
+            raw, [size[d] for d in "BHNC"], [stride[d] for d in "BHNC"], layer * stride["L"]
+        )
+        for layer in range(layers)
+    }
     return views, raw
 
 
-def split_views(form: str, layers: int, blocks: int, heads: int, tokens: int, head_dim: int,
-                dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                device: str = "cpu") -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def split_views(
+    form: str,
+    layers: int,
+    blocks: int,
+    heads: int,
+    tokens: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    device: str = "cpu",
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """(per-layer 5-D views with K and V as a dimension of size 2, the memory under them)."""
     tail = (tokens, heads, head_dim)
     if form == "cross_layer":
@@ -62,12 +82,20 @@ def split_views(form: str, layers: int, blocks: int, heads: int, tokens: int, he
         raise ValueError(f"form {form!r} is not one of {SPLIT_FORMS}")
     per = blocks * 2 * tokens * heads * head_dim
     raw = _filled(layers * per, dtype, seed, device)
-    return {layer_name(layer): raw[layer * per:(layer + 1) * per].view(shape) for layer in range(layers)}, raw
+    return {layer_name(layer): raw[layer * per : (layer + 1) * per].view(shape) for layer in range(layers)}, raw
 
 
-def make_views(shape: str, layers: int, blocks: int, heads: int, tokens: int, head_dim: int,
-               dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-               device: str = "cpu") -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def make_views(
+    shape: str,
+    layers: int,
+    blocks: int,
+    heads: int,
+    tokens: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    device: str = "cpu",
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """`packed_views(shape, ...)`, or `split_views(form, ...)` for a shape "split:<form>"."""
     if shape.startswith("split:"):
         return split_views(shape.removeprefix("split:"), layers, blocks, heads, tokens, head_dim, dtype, seed, device)

@@ -136,8 +136,9 @@ def measure(device: str, peer_device: str, nbytes: int, reps: int, timeout_s: fl
     torch.set_num_threads(1)  # a DRAM ceiling of one thread, as one READ is (cma: one process_vm_readv)
     ctx = mp.get_context("spawn")
     pipe, child = ctx.Pipe()
-    proc = ctx.Process(target=_target_main, args=(child, peer_device, nbytes), daemon=True,
-                       name="kvconnect-verdict-target")
+    proc = ctx.Process(
+        target=_target_main, args=(child, peer_device, nbytes), daemon=True, name="kvconnect-verdict-target"
+    )
     proc.start()
     child.close()
     agent = None
@@ -167,11 +168,19 @@ def measure(device: str, peer_device: str, nbytes: int, reps: int, timeout_s: fl
         pipe.close()
     gbps = nbytes / float(np.median(times_s)) / 1e9
     ceiling = nbytes / float(np.median(copies_s)) / 1e9
-    return TransportVerdict(gbps=gbps, ceiling_gbps=ceiling, ratio=gbps / ceiling, transport="unknown",
-                            mem_kind=mem.value, device=str(dev), peer_device=str(peer), bytes=nbytes,
-                            reps=reps, ceiling_kind=f"torch copy {peer} -> {dev}" + (
-                                ", 1 CPU thread" if dev.type == peer.type == "cpu" else ""),
-                            duration_s=time.monotonic() - t_start)
+    return TransportVerdict(
+        gbps=gbps,
+        ceiling_gbps=ceiling,
+        ratio=gbps / ceiling,
+        transport="unknown",
+        mem_kind=mem.value,
+        device=str(dev),
+        peer_device=str(peer),
+        bytes=nbytes,
+        reps=reps,
+        ceiling_kind=f"torch copy {peer} -> {dev}" + (", 1 CPU thread" if dev.type == peer.type == "cpu" else ""),
+        duration_s=time.monotonic() - t_start,
+    )
 
 
 def child_main(argv: list[str]) -> int:
@@ -203,8 +212,14 @@ def _ucx_log(tmp: str) -> str:
     return "".join(text)
 
 
-def calibrate(device: str = "cpu", peer_device: str = "", nbytes: int = 0, reps: int = 5,
-              timeout_s: float = 60.0, env: dict[str, str] | None = None) -> TransportVerdict:
+def calibrate(
+    device: str = "cpu",
+    peer_device: str = "",
+    nbytes: int = 0,
+    reps: int = 5,
+    timeout_s: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> TransportVerdict:
     """Measure in a child process (`env` added to this one's environment) and name the READ's transport.
     `NixlError` when the calibration fails or overruns `timeout_s`; a transport UCX did not report is "unknown"."""
     peer_device = peer_device or device
@@ -214,13 +229,39 @@ def calibrate(device: str = "cpu", peer_device: str = "", nbytes: int = 0, reps:
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvconnect-verdict-") as tmp:
         out = os.path.join(tmp, "verdict.json")
-        child_env = {**os.environ, "NIXL_LOG_LEVEL": "WARN", **(env or {}),
-                     "UCX_PROTO_INFO": "used", "UCX_LOG_FILE": os.path.join(tmp, "ucx.%p")}
-        cmd = [sys.executable, "-m", "kvconnect.verdict.probe", "--device", device, "--peer-device", peer_device,
-               "--bytes", str(nbytes), "--reps", str(reps), "--timeout-s", str(timeout_s), "--out", out]
+        child_env = {
+            **os.environ,
+            "NIXL_LOG_LEVEL": "WARN",
+            **(env or {}),
+            "UCX_PROTO_INFO": "used",
+            "UCX_LOG_FILE": os.path.join(tmp, "ucx.%p"),
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvconnect.verdict.probe",
+            "--device",
+            device,
+            "--peer-device",
+            peer_device,
+            "--bytes",
+            str(nbytes),
+            "--reps",
+            str(reps),
+            "--timeout-s",
+            str(timeout_s),
+            "--out",
+            out,
+        ]
         try:
-            proc = subprocess.Popen(cmd, env=child_env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, start_new_session=True)  # a group: killable whole
+            proc = subprocess.Popen(
+                cmd,
+                env=child_env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )  # a group: killable whole
             try:
                 _, err = proc.communicate(timeout=timeout_s + 5)
             except subprocess.TimeoutExpired:
@@ -231,16 +272,24 @@ def calibrate(device: str = "cpu", peer_device: str = "", nbytes: int = 0, reps:
             if proc.returncode != 0:
                 tail = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
                 errors = [ln.strip() for ln in _ucx_log(tmp).splitlines() if " ERROR " in ln][:3]
-                raise NixlError(f"transport verdict: calibration failed: {tail[0]}"
-                                + ("; UCX: " + " | ".join(errors) if errors else ""))
+                raise NixlError(
+                    f"transport verdict: calibration failed: {tail[0]}"
+                    + ("; UCX: " + " | ".join(errors) if errors else "")
+                )
             with open(out, "rb") as f:
                 verdict = msgspec.json.decode(f.read(), type=TransportVerdict)
             text = _ucx_log(tmp)
         except (OSError, msgspec.DecodeError) as e:
             raise NixlError(f"transport verdict: cannot run the calibration: {e}") from e
     transports, configs, protocol = read_transports(parse_proto_tables(text))
-    return msgspec.structs.replace(verdict, transport="+".join(transports) or "unknown", transports=transports,
-                                   ucx_config=configs, protocol=protocol, duration_s=time.monotonic() - t0)
+    return msgspec.structs.replace(
+        verdict,
+        transport="+".join(transports) or "unknown",
+        transports=transports,
+        ucx_config=configs,
+        protocol=protocol,
+        duration_s=time.monotonic() - t0,
+    )
 
 
 def check_transport(verdict: TransportVerdict, refuse_tcp: bool) -> None:
@@ -250,15 +299,17 @@ def check_transport(verdict: TransportVerdict, refuse_tcp: bool) -> None:
             f"transport verdict: the NIXL READ ran over {verdict.transport} (UCX {', '.join(verdict.ucx_config)}: "
             f"{verdict.protocol}), {verdict.gbps:.2f} GB/s, and refuse_tcp is set (KVCONNECT_REFUSE_TCP, "
             f"--refuse-tcp). UCX fell back to TCP: check UCX_TLS (now {os.environ.get('UCX_TLS', 'unset')!r}) "
-            "and that shared memory, cuda_ipc or RDMA transports are usable here, or drop refuse_tcp to accept TCP")
+            "and that shared memory, cuda_ipc or RDMA transports are usable here, or drop refuse_tcp to accept TCP"
+        )
 
 
 def startup_verdict(device: str, config: ConnectorConfig) -> TransportVerdict | None:
     """The worker's start-up check: log the verdict, refuse TCP if told to. A calibration that fails is
     logged and skipped (None); only a refused transport stops the worker."""
     try:
-        verdict = calibrate(device, config.verdict_peer_device, config.verdict_bytes,
-                            timeout_s=config.verdict_timeout_s)
+        verdict = calibrate(
+            device, config.verdict_peer_device, config.verdict_bytes, timeout_s=config.verdict_timeout_s
+        )
     except KVConnectError as e:
         log.warning("transport verdict unavailable, starting without it: %s", e)
         return None
@@ -274,10 +325,17 @@ def startup_verdict(device: str, config: ConnectorConfig) -> TransportVerdict | 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=env_setting("DEVICE", "cpu"), help="cpu (DRAM) or cuda[:N] (VRAM)")
-    p.add_argument("--peer-device", default=env_setting("VERDICT_PEER_DEVICE", ""),
-                   help="device of the buffer that is read (default: --device)")
-    p.add_argument("--bytes", type=int, default=int(env_setting("VERDICT_BYTES", "0") or 0),
-                   help="scratch buffer size in bytes (default 64 MiB)")
+    p.add_argument(
+        "--peer-device",
+        default=env_setting("VERDICT_PEER_DEVICE", ""),
+        help="device of the buffer that is read (default: --device)",
+    )
+    p.add_argument(
+        "--bytes",
+        type=int,
+        default=int(env_setting("VERDICT_BYTES", "0") or 0),
+        help="scratch buffer size in bytes (default 64 MiB)",
+    )
     p.add_argument("--reps", type=int, default=5, help="timed READs and copies")
     p.add_argument("--timeout-s", type=float, default=60.0)
     p.add_argument("--refuse-tcp", action="store_true", help="exit 2 when UCX used TCP for the READ")

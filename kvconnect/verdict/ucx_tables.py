@@ -37,9 +37,11 @@ class TransportVerdict(msgspec.Struct, kw_only=True, frozen=True):
         return any(t.startswith("tcp") for t in self.transports)
 
     def summary(self) -> str:
-        return (f"transport verdict: {self.gbps:.1f} GB/s of {self.ceiling_gbps:.1f} GB/s ceiling "
-                f"({100 * self.ratio:.0f} %) over {self.transport} ({self.mem_kind}, {self.bytes / MiB:.0f} MiB, "
-                f"{self.protocol or 'protocol unknown'}, {self.duration_s:.1f} s)")
+        return (
+            f"transport verdict: {self.gbps:.1f} GB/s of {self.ceiling_gbps:.1f} GB/s ceiling "
+            f"({100 * self.ratio:.0f} %) over {self.transport} ({self.mem_kind}, {self.bytes / MiB:.0f} MiB, "
+            f"{self.protocol or 'protocol unknown'}, {self.duration_s:.1f} s)"
+        )
 
 
 class ProtoUse(msgspec.Struct, frozen=True):
@@ -73,8 +75,15 @@ def parse_proto_tables(text: str) -> list[ProtoUse]:
         elif operation:
             row = dict(zip(header, cells, strict=False))
             count = row.get("count", "")
-            rows.append(ProtoUse(operation, int(count) if count.isdigit() else None, row.get("range", ""),
-                                 row.get("description", ""), row.get("config", "")))
+            rows.append(
+                ProtoUse(
+                    operation,
+                    int(count) if count.isdigit() else None,
+                    row.get("range", ""),
+                    row.get("description", ""),
+                    row.get("config", ""),
+                )
+            )
     return rows
 
 

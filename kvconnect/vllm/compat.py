@@ -37,8 +37,10 @@ def check_version(version: str) -> None:
     got = version_tuple(version)
     (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED
     if got is None or not SUPPORTED[0] <= got <= SUPPORTED[1]:
-        raise ConfigError(f"kvconnect supports vLLM {lo_major}.{lo_minor} to {hi_major}.{hi_minor}; this is vLLM "
-                          f"{version or 'of unknown version'}")
+        raise ConfigError(
+            f"kvconnect supports vLLM {lo_major}.{lo_minor} to {hi_major}.{hi_minor}; this is vLLM "
+            f"{version or 'of unknown version'}"
+        )
 
 
 @dataclass(frozen=True)

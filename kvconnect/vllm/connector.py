@@ -64,8 +64,9 @@ def _log_to_stderr() -> None:
     if root.handlers:
         return
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("(kvconnect pid=%(process)d) %(levelname)s %(asctime)s [%(name)s] "
-                                           "%(message)s"))
+    handler.setFormatter(
+        logging.Formatter("(kvconnect pid=%(process)d) %(levelname)s %(asctime)s [%(name)s] %(message)s")
+    )
     root.addHandler(handler)
     root.setLevel(env_choice("LOG_LEVEL", ("DEBUG", "INFO", "WARNING", "ERROR"), "INFO"))
     root.propagate = False
@@ -173,6 +174,7 @@ class KVConnectConnector(KVConnectorBase_V1):
         return KVConnectStats(data=dict(data)) if data is not None else KVConnectStats()
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectPromMetrics:
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+    ) -> KVConnectPromMetrics:
         return KVConnectPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -51,8 +51,16 @@ def layer_order(name: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", name))
 
 
-def describe(kv_caches: Mapping[str, torch.Tensor], *, num_blocks: int, block_size: int, tp_size: int,
-             tp_rank: int, total_kv_heads: int, page: str) -> Described:
+def describe(
+    kv_caches: Mapping[str, torch.Tensor],
+    *,
+    num_blocks: int,
+    block_size: int,
+    tp_size: int,
+    tp_rank: int,
+    total_kv_heads: int,
+    page: str,
+) -> Described:
     """A kvconnect cache over vLLM's tensors (no copy): the spec and byte views of its regions."""
     if not kv_caches:
         raise LayoutError("vLLM registered no KV cache tensors")
@@ -61,36 +69,53 @@ def describe(kv_caches: Mapping[str, torch.Tensor], *, num_blocks: int, block_si
     first = views[0]
     for name, t in zip(names, views, strict=True):
         if t.dim() not in (4, 5):
-            raise LayoutError(f"vLLM KV cache {name}: a {t.dim()}-D tensor {tuple(t.shape)}; expected [B, H, N, C] "
-                              "(vLLM 0.32 per-layer views) or 5-D with K and V as a dimension of size 2")
+            raise LayoutError(
+                f"vLLM KV cache {name}: a {t.dim()}-D tensor {tuple(t.shape)}; expected [B, H, N, C] "
+                "(vLLM 0.32 per-layer views) or 5-D with K and V as a dimension of size 2"
+            )
         if (t.shape, t.dtype, t.device, t.stride()) != (first.shape, first.dtype, first.device, first.stride()):
-            raise LayoutError(f"vLLM KV cache {name}: shape/dtype/device/strides {tuple(t.shape)} {t.dtype} "
-                              f"{t.device} {t.stride()} differ from {names[0]}'s; kvconnect needs one page format")
+            raise LayoutError(
+                f"vLLM KV cache {name}: shape/dtype/device/strides {tuple(t.shape)} {t.dtype} "
+                f"{t.device} {t.stride()} differ from {names[0]}'s; kvconnect needs one page format"
+            )
     if first.dtype not in _DTYPE_NAMES:
         raise LayoutError(f"vLLM KV cache dtype {first.dtype} is not one of {sorted(TORCH_DTYPES)}")
     if first.dim() == 5:
-        return _describe_split(names, views, num_blocks=num_blocks, block_size=block_size, tp_size=tp_size,
-                               tp_rank=tp_rank, total_kv_heads=total_kv_heads)
+        return _describe_split(
+            names,
+            views,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            total_kv_heads=total_kv_heads,
+        )
     nb, heads, tokens, content = first.shape
     isz = first.element_size()
     s_block, s_head, s_token, s_content = (s * isz for s in first.stride())
     where = f"vLLM KV cache [B, H, N, C] = {tuple(first.shape)}, byte strides {(s_block, s_head, s_token, s_content)}"
     if nb != num_blocks:
-        raise LayoutError(f"{where}: {nb} kernel blocks for {num_blocks} scheduler blocks (a kernel block size "
-                          f"other than the block size); kvconnect needs one kernel block per block")
+        raise LayoutError(
+            f"{where}: {nb} kernel blocks for {num_blocks} scheduler blocks (a kernel block size "
+            f"other than the block size); kvconnect needs one kernel block per block"
+        )
     if tokens != block_size:
         raise LayoutError(f"{where}: {tokens} tokens per kernel block, but the block size is {block_size}")
     if s_content != isz:
         raise LayoutError(f"{where}: the content dimension is not contiguous")
     if content % 2:
-        raise LayoutError(f"{where}: {content} content elements per (head, token) is not K + V of one head size "
-                          "(MLA caches are not supported)")
+        raise LayoutError(
+            f"{where}: {content} content elements per (head, token) is not K + V of one head size "
+            "(MLA caches are not supported)"
+        )
     heads_outer = s_head > s_token
     inner, outer = ((s_token, tokens), (s_head, heads)) if heads_outer else ((s_head, heads), (s_token, tokens))
     page_bytes = heads * tokens * content * isz
     if inner[0] != content * isz or outer[0] != inner[1] * inner[0]:
-        raise LayoutError(f"{where}: a block's [H, N, C] page is not one contiguous run (the layout splits it, e.g. "
-                          "LHBNC or BHLNC); kvconnect supports LBHNC, LBNHC, BLHNC and BLNHC")
+        raise LayoutError(
+            f"{where}: a block's [H, N, C] page is not one contiguous run (the layout splits it, e.g. "
+            "LHBNC or BHLNC); kvconnect supports LBHNC, LBNHC, BLHNC and BLNHC"
+        )
     bases = [int(t.data_ptr()) for t in views]
     num_layers = len(views)
     if s_block == page_bytes:
@@ -98,13 +123,26 @@ def describe(kv_caches: Mapping[str, torch.Tensor], *, num_blocks: int, block_si
     elif s_block == num_layers * page_bytes and all(b == bases[0] + i * page_bytes for i, b in enumerate(bases)):
         kind, order = LayoutKind.CROSS_LAYER, "BL"
     else:
-        raise LayoutError(f"{where}: blocks {s_block} bytes apart with pages of {page_bytes} bytes and {num_layers} "
-                          "layers: neither one page per block per layer nor one block of every layer's page "
-                          "(padded pages are not supported)")
-    spec = CacheSpec(kind=kind, dtype=_DTYPE_NAMES[first.dtype], num_layers=num_layers, num_blocks=nb,
-                     block_size=tokens, num_kv_heads=heads, head_dim=content // 2, device=first.device.type,
-                     tp_size=tp_size, tp_rank=tp_rank, token_layout="HND" if heads_outer else "NHD",
-                     total_kv_heads=total_kv_heads, page=page)
+        raise LayoutError(
+            f"{where}: blocks {s_block} bytes apart with pages of {page_bytes} bytes and {num_layers} "
+            "layers: neither one page per block per layer nor one block of every layer's page "
+            "(padded pages are not supported)"
+        )
+    spec = CacheSpec(
+        kind=kind,
+        dtype=_DTYPE_NAMES[first.dtype],
+        num_layers=num_layers,
+        num_blocks=nb,
+        block_size=tokens,
+        num_kv_heads=heads,
+        head_dim=content // 2,
+        device=first.device.type,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        token_layout="HND" if heads_outer else "NHD",
+        total_kv_heads=total_kv_heads,
+        page=page,
+    )
     shape = spec.region_shape()
     if kind is LayoutKind.CROSS_LAYER:
         regions = [_bytes(first, shape, s_block)]
@@ -121,22 +159,33 @@ def _bytes(view: torch.Tensor, shape: tuple[int, ...], block_stride: int) -> tor
     return out
 
 
-def _describe_split(names: tuple[str, ...], views: list[torch.Tensor], *, num_blocks: int, block_size: int,
-                    tp_size: int, tp_rank: int, total_kv_heads: int) -> Described:
+def _describe_split(
+    names: tuple[str, ...],
+    views: list[torch.Tensor],
+    *,
+    num_blocks: int,
+    block_size: int,
+    tp_size: int,
+    tp_rank: int,
+    total_kv_heads: int,
+) -> Described:
     """5-D per-layer tensors with K and V as a dimension of size 2: kvconnect's own layouts, no page format."""
     first = views[0]
     shape, stride = tuple(first.shape), first.stride()
     where = f"vLLM KV cache {tuple(shape)}, element strides {stride}"
     if num_blocks == 2:  # (2, 2, ...) reads as either order, and the strides of one can match the other's
-        raise LayoutError(f"{where}: with 2 blocks, K/V-split tensors cannot tell blocks from K/V; give the "
-                          "engine more blocks")
+        raise LayoutError(
+            f"{where}: with 2 blocks, K/V-split tensors cannot tell blocks from K/V; give the engine more blocks"
+        )
     if shape[:2] == (num_blocks, 2):
         kv_outer, (s_block, s_kv) = False, stride[:2]
     elif shape[:2] == (2, num_blocks):
         kv_outer, (s_kv, s_block) = True, stride[:2]
     else:
-        raise LayoutError(f"{where}: neither (num_blocks={num_blocks}, 2, ...) nor (2, num_blocks, ...); kvconnect "
-                          "needs K and V as a dimension of size 2 next to the blocks")
+        raise LayoutError(
+            f"{where}: neither (num_blocks={num_blocks}, 2, ...) nor (2, num_blocks, ...); kvconnect "
+            "needs K and V as a dimension of size 2 next to the blocks"
+        )
     tokens, heads, head_dim = shape[2:]
     s_token, s_head, s_dim = stride[2:]
     if tokens != block_size:
@@ -156,16 +205,33 @@ def _describe_split(names: tuple[str, ...], views: list[torch.Tensor], *, num_bl
         kind = LayoutKind.KV_FIRST
     elif not kv_outer and s_kv == half and s_block == 2 * half:
         kind = LayoutKind.BLOCKS_FIRST
-    elif (not kv_outer and s_kv == half and s_block == 2 * half * len(views)
-          and all(b == bases[0] + i * layer_bytes for i, b in enumerate(bases))):
+    elif (
+        not kv_outer
+        and s_kv == half
+        and s_block == 2 * half * len(views)
+        and all(b == bases[0] + i * layer_bytes for i, b in enumerate(bases))
+    ):
         kind = LayoutKind.CROSS_LAYER
     else:
-        raise LayoutError(f"{where}: blocks {s_block} and K/V {s_kv} elements apart for K/V blocks of {half} "
-                          f"elements and {len(views)} layers: not a blocks_first, kv_first or cross_layer layout "
-                          "(padded blocks are not supported)")
-    spec = CacheSpec(kind=kind, dtype=_DTYPE_NAMES[first.dtype], num_layers=len(views), num_blocks=num_blocks,
-                     block_size=tokens, num_kv_heads=heads, head_dim=head_dim, device=first.device.type,
-                     tp_size=tp_size, tp_rank=tp_rank, token_layout=token_layout, total_kv_heads=total_kv_heads)
+        raise LayoutError(
+            f"{where}: blocks {s_block} and K/V {s_kv} elements apart for K/V blocks of {half} "
+            f"elements and {len(views)} layers: not a blocks_first, kv_first or cross_layer layout "
+            "(padded blocks are not supported)"
+        )
+    spec = CacheSpec(
+        kind=kind,
+        dtype=_DTYPE_NAMES[first.dtype],
+        num_layers=len(views),
+        num_blocks=num_blocks,
+        block_size=tokens,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        device=first.device.type,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        token_layout=token_layout,
+        total_kv_heads=total_kv_heads,
+    )
     owners = views[:1] if kind is LayoutKind.CROSS_LAYER else views
     regions = [torch.as_strided(t, spec.region_shape(), spec.region_strides(), t.storage_offset()) for t in owners]
     order = {LayoutKind.KV_FIRST: "2B", LayoutKind.BLOCKS_FIRST: "B2", LayoutKind.CROSS_LAYER: "BL2"}[kind]

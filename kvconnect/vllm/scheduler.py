@@ -64,8 +64,15 @@ class SchedulerSide:
         params["do_remote_prefill"] = False  # one load per request (this is called again once it is scheduled)
         if num_external_tokens > 0:
             local = [int(b) for b in blocks.get_unhashed_block_ids()]
-            self._orders.pulls.append(PullOrder(request.request_id, order, local, request.num_prompt_tokens,
-                                                request.num_prompt_tokens - num_external_tokens))
+            self._orders.pulls.append(
+                PullOrder(
+                    request.request_id,
+                    order,
+                    local,
+                    request.num_prompt_tokens,
+                    request.num_prompt_tokens - num_external_tokens,
+                )
+            )
         else:  # the local prefix cache holds the whole prompt: nothing to read
             self._orders.releases.append(order)
 
@@ -93,15 +100,17 @@ class SchedulerSide:
         lease_id = new_lease_id()
         self._orders.leases.append(LeaseOrder(request.request_id, ids, num_tokens, lease_id))
         port = hello.side_channel_port if hello is not None else config.side_channel_port
-        return True, msgspec.to_builtins(KVTransferParams(
-            do_remote_prefill=True,
-            remote_engine_id=config.engine_id,
-            remote_block_ids=ids,
-            remote_host=config.advertise_host,
-            remote_port=port,
-            remote_request_id=request.request_id,
-            tp_size=self._settings.tp_size,
-            remote_incarnation_id=hello.incarnation_id if hello is not None else None,
-            remote_num_tokens=num_tokens,
-            remote_lease_id=lease_id,
-        ))
+        return True, msgspec.to_builtins(
+            KVTransferParams(
+                do_remote_prefill=True,
+                remote_engine_id=config.engine_id,
+                remote_block_ids=ids,
+                remote_host=config.advertise_host,
+                remote_port=port,
+                remote_request_id=request.request_id,
+                tp_size=self._settings.tp_size,
+                remote_incarnation_id=hello.incarnation_id if hello is not None else None,
+                remote_num_tokens=num_tokens,
+                remote_lease_id=lease_id,
+            )
+        )

@@ -48,20 +48,27 @@ def read_settings(vllm_config: Any) -> VllmSettings:
         raise ConfigError(f"kv_connector_extra_config: unknown key(s) {unknown}; allowed: {sorted(fields)}")
     decided = sorted(set(extra) & set(DECIDED_BY_VLLM))
     if decided:
-        raise ConfigError(f"kv_connector_extra_config: {decided} are vLLM's to decide (kv_transfer_config.engine_id,"
-                          " kv_transfer_config.kv_load_failure_policy)")
+        raise ConfigError(
+            f"kv_connector_extra_config: {decided} are vLLM's to decide (kv_transfer_config.engine_id,"
+            " kv_transfer_config.kv_load_failure_policy)"
+        )
     if extra.get("secret"):
-        log.warning("kvconnect: kv_connector_extra_config.secret is set, and vLLM logs kv_connector_extra_config "
-                    "in clear at start-up; give the secret as secret_file (a mounted file) or KVCONNECT_SECRET_FILE")
+        log.warning(
+            "kvconnect: kv_connector_extra_config.secret is set, and vLLM logs kv_connector_extra_config "
+            "in clear at start-up; give the secret as secret_file (a mounted file) or KVCONNECT_SECRET_FILE"
+        )
     if not kvt.engine_id:
         raise ConfigError("kv_transfer_config.engine_id is empty")
     tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
-    grace = {} if "lease_grace_s" in extra or env_overrides(None, ("lease_grace_s",)) else \
-        {"lease_grace_s": LEASE_GRACE_S}
+    grace = (
+        {} if "lease_grace_s" in extra or env_overrides(None, ("lease_grace_s",)) else {"lease_grace_s": LEASE_GRACE_S}
+    )
     config = connector_config(None, **grace, **extra, engine_id=str(kvt.engine_id))
     if tp_size > 1 and config.side_channel_port == 0:
-        raise ConfigError(f"tensor_parallel_size {tp_size}: set kv_connector_extra_config.side_channel_port (or "
-                          "KVCONNECT_SIDE_CHANNEL_PORT) to the group's base port; rank r listens on base + r")
+        raise ConfigError(
+            f"tensor_parallel_size {tp_size}: set kv_connector_extra_config.side_channel_port (or "
+            "KVCONNECT_SIDE_CHANNEL_PORT) to the group's base port; rank r listens on base + r"
+        )
     if config.side_channel_port and config.side_channel_port + tp_size > 65536:
         raise ConfigError(f"side_channel_port {config.side_channel_port} + {tp_size} ranks leaves the port range")
     return VllmSettings(config, tp_size, int(vllm_config.cache_config.block_size), str(kvt.kv_role))

@@ -51,8 +51,13 @@ class KVConnectStats(KVConnectorStats):
 
     def record_pull(self, stats: Any) -> None:
         """A successful pull (`kvconnect.PullStats`)."""
-        for key, value in (("pull_s", stats.total_s), ("xfer_s", stats.post_s + stats.transfer_s),
-                           ("post_s", stats.post_s), ("bytes", stats.bytes), ("num_descs", stats.num_descs_merged)):
+        for key, value in (
+            ("pull_s", stats.total_s),
+            ("xfer_s", stats.post_s + stats.transfer_s),
+            ("post_s", stats.post_s),
+            ("bytes", stats.bytes),
+            ("num_descs", stats.num_descs_merged),
+        ):
             self.data[key].append(value)
 
     def count(self, what: str, label: str) -> None:
@@ -93,8 +98,13 @@ _TIME_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 
 
 class KVConnectPromMetrics(KVConnectorPromMetrics):
-    def __init__(self, vllm_config: Any, metric_types: dict[type[PromMetric], type[PromMetricT]],
-                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         hist: Any = self._histogram_cls
         counter: Any = self._counter_cls
@@ -103,26 +113,57 @@ class KVConnectPromMetrics(KVConnectorPromMetrics):
             return create_metric_per_engine(metric, per_engine_labelvalues)
 
         self.series = {
-            "pull_s": per_engine(hist(name="vllm:kvconnect_pull_time_seconds", buckets=_TIME_BUCKETS,
-                                      documentation="kvconnect: pull requested -> blocks usable (lease confirmed)",
-                                      labelnames=labelnames)),
-            "xfer_s": per_engine(hist(name="vllm:kvconnect_xfer_time_seconds", buckets=_TIME_BUCKETS,
-                                      documentation="kvconnect: posting + transfer of one pull",
-                                      labelnames=labelnames)),
-            "post_s": per_engine(hist(name="vllm:kvconnect_post_time_seconds", buckets=_TIME_BUCKETS,
-                                      documentation="kvconnect: planning + posting of one pull",
-                                      labelnames=labelnames)),
-            "bytes": per_engine(hist(name="vllm:kvconnect_bytes_transferred", documentation="kvconnect: bytes per pull",
-                                     buckets=[float(2**k) for k in range(12, 36, 2)], labelnames=labelnames)),
-            "num_descs": per_engine(hist(name="vllm:kvconnect_num_descriptors",
-                                         documentation="kvconnect: descriptors per pull after merging",
-                                         buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384, 65536],
-                                         labelnames=labelnames)),
+            "pull_s": per_engine(
+                hist(
+                    name="vllm:kvconnect_pull_time_seconds",
+                    buckets=_TIME_BUCKETS,
+                    documentation="kvconnect: pull requested -> blocks usable (lease confirmed)",
+                    labelnames=labelnames,
+                )
+            ),
+            "xfer_s": per_engine(
+                hist(
+                    name="vllm:kvconnect_xfer_time_seconds",
+                    buckets=_TIME_BUCKETS,
+                    documentation="kvconnect: posting + transfer of one pull",
+                    labelnames=labelnames,
+                )
+            ),
+            "post_s": per_engine(
+                hist(
+                    name="vllm:kvconnect_post_time_seconds",
+                    buckets=_TIME_BUCKETS,
+                    documentation="kvconnect: planning + posting of one pull",
+                    labelnames=labelnames,
+                )
+            ),
+            "bytes": per_engine(
+                hist(
+                    name="vllm:kvconnect_bytes_transferred",
+                    documentation="kvconnect: bytes per pull",
+                    buckets=[float(2**k) for k in range(12, 36, 2)],
+                    labelnames=labelnames,
+                )
+            ),
+            "num_descs": per_engine(
+                hist(
+                    name="vllm:kvconnect_num_descriptors",
+                    documentation="kvconnect: descriptors per pull after merging",
+                    buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384, 65536],
+                    labelnames=labelnames,
+                )
+            ),
         }
-        self.failed = counter(name="vllm:kvconnect_num_failed_pulls", labelnames=[*labelnames, "reason"],
-                              documentation="kvconnect: failed pulls by error class (vLLM's failure policy applies)")
-        self.leases = counter(name="vllm:kvconnect_leases_ended", labelnames=[*labelnames, "outcome"],
-                              documentation="kvconnect: prefill leases ended by outcome")
+        self.failed = counter(
+            name="vllm:kvconnect_num_failed_pulls",
+            labelnames=[*labelnames, "reason"],
+            documentation="kvconnect: failed pulls by error class (vLLM's failure policy applies)",
+        )
+        self.leases = counter(
+            name="vllm:kvconnect_leases_ended",
+            labelnames=[*labelnames, "outcome"],
+            documentation="kvconnect: prefill leases ended by outcome",
+        )
         self._labels = per_engine_labelvalues
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

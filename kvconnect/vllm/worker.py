@@ -70,19 +70,39 @@ class WorkerSide:
         self._changed = threading.Event()  # set when a lease ends or a pull finishes
         self._idle = False
 
-    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size: int, tp_size: int,
-                 page: str) -> None:
-        described = describe(kv_caches, num_blocks=num_blocks, block_size=block_size, tp_size=tp_size,
-                             tp_rank=self._tp_rank, total_kv_heads=self._total_kv_heads, page=page)
-        self.connector = KVConnector(described.cache, self._config, on_pull_done=self._pull_done,
-                                     on_lease_ended=self._lease_ended)
+    def register(
+        self, kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size: int, tp_size: int, page: str
+    ) -> None:
+        described = describe(
+            kv_caches,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            tp_size=tp_size,
+            tp_rank=self._tp_rank,
+            total_kv_heads=self._total_kv_heads,
+            page=page,
+        )
+        self.connector = KVConnector(
+            described.cache, self._config, on_pull_done=self._pull_done, on_lease_ended=self._lease_ended
+        )
         spec = described.cache.spec
         first = next(iter(kv_caches.values()))
-        log.info("kvconnect: rank %d registered %d layers (%s, %s, %d blocks of %d tokens, %.1f MiB; vLLM's tensor "
-                 "%s %s strides %s on %s); side channel port %d", self._tp_rank, spec.num_layers, described.layout,
-                 spec.kind.value, spec.num_blocks, spec.block_size, spec.cache_bytes / 2**20, tuple(first.shape),
-                 str(first.dtype).removeprefix("torch."), tuple(first.stride()), first.device,
-                 self.connector.side_channel_port)
+        log.info(
+            "kvconnect: rank %d registered %d layers (%s, %s, %d blocks of %d tokens, %.1f MiB; vLLM's tensor "
+            "%s %s strides %s on %s); side channel port %d",
+            self._tp_rank,
+            spec.num_layers,
+            described.layout,
+            spec.kind.value,
+            spec.num_blocks,
+            spec.block_size,
+            spec.cache_bytes / 2**20,
+            tuple(first.shape),
+            str(first.dtype).removeprefix("torch."),
+            tuple(first.stride()),
+            first.device,
+            self.connector.side_channel_port,
+        )
 
     def hello(self) -> WorkerHello:
         conn = self._require()
@@ -127,16 +147,21 @@ class WorkerSide:
             load.params = params = parse_kv_transfer_params(order.params)
             assert params is not None and params.remote_block_ids is not None
             if params.remote_num_tokens is not None and params.remote_num_tokens != order.num_prompt_tokens:
-                raise InvalidRequestError("kv_transfer_params.remote_num_tokens",
-                                          f"the remote blocks hold {params.remote_num_tokens} tokens, the prompt "
-                                          f"has {order.num_prompt_tokens}")
+                raise InvalidRequestError(
+                    "kv_transfer_params.remote_num_tokens",
+                    f"the remote blocks hold {params.remote_num_tokens} tokens, the prompt "
+                    f"has {order.num_prompt_tokens}",
+                )
             local, remote = order.local_block_ids, params.remote_block_ids
             if len(local) > len(remote):
-                raise InvalidRequestError("kv_transfer_params.remote_block_ids", f"{len(remote)} remote blocks for "
-                                          f"{len(local)} blocks to load")
+                raise InvalidRequestError(
+                    "kv_transfer_params.remote_block_ids",
+                    f"{len(remote)} remote blocks for {len(local)} blocks to load",
+                )
             # the local prefix cache filled the first blocks: read the tail of the prefill's list
-            wanted = msgspec.structs.replace(params, remote_block_ids=remote[len(remote) - len(local):],
-                                             remote_num_tokens=None)
+            wanted = msgspec.structs.replace(
+                params, remote_block_ids=remote[len(remote) - len(local) :], remote_num_tokens=None
+            )
             load.handle = self._require().pull(wanted, local, order.request_id)
         except KVConnectError as e:
             self._failed(load, e)
@@ -148,8 +173,12 @@ class WorkerSide:
         reason = failure_reason(error)
         with self._lock:
             self._stats.count("failed", reason)
-        log.warning("kvconnect: request %s: KV load failed (%s: %s); vLLM's kv_load_failure_policy applies",
-                    load.order.request_id, type(error).__name__, error)
+        log.warning(
+            "kvconnect: request %s: KV load failed (%s: %s); vLLM's kv_load_failure_policy applies",
+            load.order.request_id,
+            type(error).__name__,
+            error,
+        )
         if load.params is not None and release_after_failure(error):
             self._require().release_remote(load.params)
 

@@ -69,16 +69,16 @@ class Collector:
         return self.events[-1]
 
 
-def submit(engine: Engine, request_id: str, prompt_ids: list[int], max_tokens: int,
-           **kw: object) -> Collector:
+def submit(engine: Engine, request_id: str, prompt_ids: list[int], max_tokens: int, **kw: object) -> Collector:
     sampling = kw.pop("sampling", None) or SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     collector = Collector()
     engine.add_request(request_id, prompt_ids, sampling, collector, **kw)  # type: ignore[arg-type]
     return collector
 
 
-def generate(engine: Engine, prompt_ids: list[int], max_tokens: int, request_id: str = "req",
-             **kw: object) -> Collector:
+def generate(
+    engine: Engine, prompt_ids: list[int], max_tokens: int, request_id: str = "req", **kw: object
+) -> Collector:
     return submit(engine, request_id, prompt_ids, max_tokens, **kw).wait()
 
 
@@ -91,8 +91,7 @@ def prompt(i: int, length: int) -> list[int]:
 # --- dense reference ---------------------------------------------------------------------------------
 
 
-def dense_logits(model: LlamaModel, token_ids: list[int],
-                 kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dense_logits(model: LlamaModel, token_ids: list[int], kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Logits (T, vocab) of a plain causal forward over the whole sequence, no cache, in float64
     (K and V rounded through the cache dtype, as the paged path stores them)."""
     c = model.config
@@ -106,8 +105,8 @@ def dense_logits(model: LlamaModel, token_ids: list[int],
     for lw in model.layers:
         qkv = rms_norm(x, lw.attn_norm.to(f64), c.rms_norm_eps) @ lw.wqkv.to(f64).T
         q = apply_rope(qkv[:, :q_dim].reshape(t, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rope(qkv[:, q_dim:q_dim + kv_dim].reshape(t, c.num_kv_heads, c.head_dim), cos, sin)
-        v = qkv[:, q_dim + kv_dim:].reshape(t, c.num_kv_heads, c.head_dim)
+        k = apply_rope(qkv[:, q_dim : q_dim + kv_dim].reshape(t, c.num_kv_heads, c.head_dim), cos, sin)
+        v = qkv[:, q_dim + kv_dim :].reshape(t, c.num_kv_heads, c.head_dim)
         k, v = k.to(kv_dtype).to(f64), v.to(kv_dtype).to(f64)
         group = c.num_heads // c.num_kv_heads
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
@@ -168,9 +167,18 @@ class CopyLoader:
     layer by layer through `cache.kv()` views (so any two layouts work), after `polls_before_done`
     polls and once `gate` is set; or raises `error` (at poll, or at start with `fail_at_start`)."""
 
-    def __init__(self, src: Engine, dst: Engine, src_block_ids: list[int], *, policy: str = "fail",
-                 polls_before_done: int = 2, error: KVConnectError | None = None,
-                 fail_at_start: bool = False, free_source: bool = True) -> None:
+    def __init__(
+        self,
+        src: Engine,
+        dst: Engine,
+        src_block_ids: list[int],
+        *,
+        policy: str = "fail",
+        polls_before_done: int = 2,
+        error: KVConnectError | None = None,
+        fail_at_start: bool = False,
+        free_source: bool = True,
+    ) -> None:
         self.src, self.dst, self.src_block_ids = src, dst, list(src_block_ids)
         self.policy = policy
         self.polls_before_done = polls_before_done

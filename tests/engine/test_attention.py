@@ -30,8 +30,9 @@ SEQS = [(1, 1), (5, 5), (8, 3), (17, 1), (40, 40), (33, 7), (16, 1)]
 
 
 def make_case(layout: LayoutKind, kv_dtype: str, seed: int = 0):
-    spec = CacheSpec(kind=layout, dtype=kv_dtype, num_layers=2, num_blocks=64, block_size=BLOCK,
-                     num_kv_heads=H_KV, head_dim=D)
+    spec = CacheSpec(
+        kind=layout, dtype=kv_dtype, num_layers=2, num_blocks=64, block_size=BLOCK, num_kv_heads=H_KV, head_dim=D
+    )
     cache = KVCache.allocate(spec)
     cache.fill_pattern(seed)  # garbage (NaNs included) everywhere a sequence must not read
     gen = torch.Generator().manual_seed(seed)
@@ -55,8 +56,9 @@ def write_all(cache: KVCache, layer: int, seqs) -> None:
 
 
 def query_batch(seqs):
-    return build_batch([BatchItem([0] * q.shape[0], k.shape[0] - q.shape[0], blocks)
-                        for blocks, k, _, q in seqs], BLOCK, "cpu")
+    return build_batch(
+        [BatchItem([0] * q.shape[0], k.shape[0] - q.shape[0], blocks) for blocks, k, _, q in seqs], BLOCK, "cpu"
+    )
 
 
 def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -64,8 +66,9 @@ def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     group = q.shape[1] // k.shape[1]
     k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
     mask = torch.ones(t_q, s, dtype=torch.bool).tril(diagonal=s - t_q)
-    out = F.scaled_dot_product_attention(q.double().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask)
+    out = F.scaled_dot_product_attention(
+        q.double().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask
+    )
     return out.transpose(0, 1)
 
 
@@ -77,7 +80,7 @@ def test_paged_equals_dense(layout: LayoutKind, kv_dtype: str) -> None:
     k_cache, v_cache = cache.kv(1)
     batch = query_batch(seqs)
     q_all = torch.cat([q for *_, q in seqs])
-    out = paged_attention(q_all, k_cache, v_cache, batch, scale=D ** -0.5)
+    out = paged_attention(q_all, k_cache, v_cache, batch, scale=D**-0.5)
     assert out.shape == q_all.shape and torch.isfinite(out).all()
     cache_dtype = k_cache.dtype
     for (_, k, v, q), s in zip(seqs, batch.seqs, strict=True):
@@ -98,8 +101,9 @@ def test_writes_touch_only_their_layer_and_slots(layout: LayoutKind) -> None:
     changed = (after != before).nonzero()
     assert changed.shape[0] > 0
     assert set(changed[:, 1].tolist()) == {1}, "a write leaked into another layer"
-    written = {(b, off) for blocks, k, *_ in seqs for b, off in
-               ((blocks[p // BLOCK], p % BLOCK) for p in range(k.shape[0]))}
+    written = {
+        (b, off) for blocks, k, *_ in seqs for b, off in ((blocks[p // BLOCK], p % BLOCK) for p in range(k.shape[0]))
+    }
     assert {(int(r[0]), int(r[3])) for r in changed} <= written, "a write landed outside its slots"
 
 
@@ -130,8 +134,9 @@ def test_batch_needs_enough_blocks() -> None:
 
 def test_backend_selection_on_cpu() -> None:
     def pick(requested: str) -> AttentionBackend:
-        return select_backend(requested, device_kind="cpu", dtype=torch.bfloat16,
-                              kv_cache_dtype=torch.bfloat16, block_size=256)
+        return select_backend(
+            requested, device_kind="cpu", dtype=torch.bfloat16, kv_cache_dtype=torch.bfloat16, block_size=256
+        )
 
     assert pick("auto") is AttentionBackend.REFERENCE
     assert pick("reference") is AttentionBackend.REFERENCE

@@ -31,8 +31,7 @@ def prefill_on(a: Engine, ids: list[int], request_id: str) -> list[int]:
     return block_ids
 
 
-@pytest.mark.parametrize("pair", [LayoutKind.KV_FIRST, LayoutKind.CROSS_LAYER, LayoutKind.BLOCKS_FIRST],
-                         indirect=True)
+@pytest.mark.parametrize("pair", [LayoutKind.KV_FIRST, LayoutKind.CROSS_LAYER, LayoutKind.BLOCKS_FIRST], indirect=True)
 @pytest.mark.parametrize("length", [1, 16, 37])
 def test_decode_from_loaded_kv_equals_aggregated(pair: tuple[Engine, Engine], length: int) -> None:
     a, b = pair
@@ -46,7 +45,7 @@ def test_decode_from_loaded_kv_equals_aggregated(pair: tuple[Engine, Engine], le
     loader = CopyLoader(a, b, kept)
     out = generate(b, ids, 10, "dec", kv_loader=loader)
     assert out.tokens == ref.tokens and out.logprobs == ref.logprobs
-    (rid, block_ids, n), = loader.started
+    ((rid, block_ids, n),) = loader.started
     assert (rid, len(block_ids), n) == ("dec", len(kept), length)
     assert loader.handles[0].num_polls == 3  # two "still loading", then done
     wait_until(lambda: a.allocator.num_free == a_free and b.allocator.num_free == b_free, what="blocks back")
@@ -80,8 +79,7 @@ def test_recompute_policy_computes_the_prompt(pair: tuple[Engine, Engine], fail_
     a, b = pair
     ids = prompt(64, 33)
     ref = generate(a, ids, 9, "ref")
-    loader = CopyLoader(a, b, [], policy="recompute", error=TransferError("timed out"),
-                        fail_at_start=fail_at_start)
+    loader = CopyLoader(a, b, [], policy="recompute", error=TransferError("timed out"), fail_at_start=fail_at_start)
     out = generate(b, ids, 9, kv_loader=loader)
     assert out.tokens == ref.tokens and out.logprobs == ref.logprobs
 
@@ -122,8 +120,7 @@ def test_abort_while_loading_keeps_blocks_until_the_load_ends(pair: tuple[Engine
 def test_keeper_decline_or_failure_frees_and_abort_is_never_offered(pair: tuple[Engine, Engine]) -> None:
     a, _ = pair
     a_free = a.allocator.num_free
-    declining, raising, unused = (RecordingKeeper(accept=False), RecordingKeeper(raises=True),
-                                  RecordingKeeper())
+    declining, raising, unused = (RecordingKeeper(accept=False), RecordingKeeper(raises=True), RecordingKeeper())
     generate(a, prompt(68, 20), 3, "declined", kv_keeper=declining)
     generate(a, prompt(68, 20), 3, "raised", kv_keeper=raising)
     assert declining.kept["declined"][1] == 20

@@ -179,8 +179,12 @@ def test_invalid_requests_are_refused(engine: Engine) -> None:
     engine.abort("dup")
     c.wait()
     generate(engine, [1, 2], 1, "dup")  # the id is free again once finished
-    for bad in (dict(max_tokens=0), dict(max_tokens=1, temperature=-1.0), dict(max_tokens=1, top_p=0.0),
-                dict(max_tokens=1, seed=-3)):
+    for bad in (
+        dict(max_tokens=0),
+        dict(max_tokens=1, temperature=-1.0),
+        dict(max_tokens=1, top_p=0.0),
+        dict(max_tokens=1, seed=-3),
+    ):
         with pytest.raises(InvalidRequestError):
             SamplingParams(**bad)  # type: ignore[arg-type]
 
@@ -219,8 +223,13 @@ def test_callback_errors_do_not_kill_the_engine(engine: Engine) -> None:
 
 def test_config_validation() -> None:
     assert EngineConfig(layout="cross_layer").layout.value == "cross_layer"  # type: ignore[arg-type]
-    for bad in (dict(layout="nope"), dict(block_size=0), dict(device="tpu"), dict(kv_cache_dtype="int8"),
-                dict(attention_backend="magic")):
+    for bad in (
+        dict(layout="nope"),
+        dict(block_size=0),
+        dict(device="tpu"),
+        dict(kv_cache_dtype="int8"),
+        dict(attention_backend="magic"),
+    ):
         with pytest.raises(ConfigError):
             EngineConfig(**bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigError):

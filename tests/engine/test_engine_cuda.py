@@ -32,8 +32,10 @@ def test_cuda_batched_decode_is_bitwise_equal_to_alone() -> None:
 def test_cuda_load_across_layouts_equals_aggregated(dtype: str) -> None:
     ids = prompt(3, 37)
     kw = dict(device="cuda", dtype=dtype, kv_cache_dtype=dtype)
-    with Engine(small_config(LayoutKind.BLOCKS_FIRST, **kw)) as a, \
-            Engine(small_config(LayoutKind.CROSS_LAYER, **kw)) as b:
+    with (
+        Engine(small_config(LayoutKind.BLOCKS_FIRST, **kw)) as a,
+        Engine(small_config(LayoutKind.CROSS_LAYER, **kw)) as b,
+    ):
         assert a.cache.regions[0].is_cuda and b.cache.regions[0].is_cuda
         ref = generate(a, ids, 10, "ref")
         keeper = RecordingKeeper()

@@ -24,8 +24,15 @@ def model() -> LlamaModel:
 
 
 def new_cache(layout: LayoutKind = LayoutKind.BLOCKS_FIRST, dtype: str = "float32") -> KVCache:
-    spec = CacheSpec(kind=layout, dtype=dtype, num_layers=CONFIG.num_layers, num_blocks=64, block_size=BLOCK,
-                     num_kv_heads=CONFIG.num_kv_heads, head_dim=CONFIG.head_dim)
+    spec = CacheSpec(
+        kind=layout,
+        dtype=dtype,
+        num_layers=CONFIG.num_layers,
+        num_blocks=64,
+        block_size=BLOCK,
+        num_kv_heads=CONFIG.num_kv_heads,
+        head_dim=CONFIG.head_dim,
+    )
     return KVCache.allocate(spec)
 
 
@@ -39,8 +46,9 @@ class Seq:
 
     def prefill(self, model: LlamaModel, cache: KVCache) -> None:
         n = len(self.ids) - 1
-        model.forward(build_batch([BatchItem(self.ids[:n], 0, self.block_ids)], BLOCK, "cpu"), cache,
-                      compute_logits=False)
+        model.forward(
+            build_batch([BatchItem(self.ids[:n], 0, self.block_ids)], BLOCK, "cpu"), cache, compute_logits=False
+        )
         self.num_computed = n
 
     def item(self) -> BatchItem:
@@ -89,8 +97,7 @@ def test_bfloat16_cache_matches_dense_with_rounded_kv(model: LlamaModel) -> None
     seq.prefill(model, cache)
     context = list(seq.ids)
     logits = decode(model, cache, [seq])[0]
-    torch.testing.assert_close(logits.double(), dense_logits(model, context, torch.bfloat16)[-1],
-                               atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(logits.double(), dense_logits(model, context, torch.bfloat16)[-1], atol=2e-3, rtol=1e-3)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -72,8 +72,10 @@ def test_invalid_utf8_is_replaced() -> None:
 
 
 def test_chat_template() -> None:
-    messages: list[ChatMessage | dict[str, str]] = [ChatMessage("system", "Be brief."),
-                                                    {"role": "user", "content": "Hi"}]
+    messages: list[ChatMessage | dict[str, str]] = [
+        ChatMessage("system", "Be brief."),
+        {"role": "user", "content": "Hi"},
+    ]
     assert tok.apply_chat_template(messages) == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
     assert tok.apply_chat_template(messages, add_generation_prompt=False).endswith("<|user|>\nHi\n")
 

@@ -113,8 +113,7 @@ def test_attention_over_pulled_cache_matches_prefill_kv(transport: str) -> None:
         pre.stop()
 
 
-@pytest.mark.parametrize("case", ["2to1_nhd16_to_hnd64_staging", "1to2_hnd_direct_two_readers",
-                                  "2to1_replicated_head"])
+@pytest.mark.parametrize("case", ["2to1_nhd16_to_hnd64_staging", "1to2_hnd_direct_two_readers", "2to1_replicated_head"])
 def test_heterogeneous_tp_groups_on_vram(case: str) -> None:
     """The multi-process TP-group pulls of tests/test_hetero_pull.py with every cache in VRAM: the staging
     scatter runs on the GPU; prefill ranks and decode ranks spread over the GPUs there are."""

@@ -33,15 +33,21 @@ def devices() -> tuple[str, str]:
 
 def views_for(shape: str, device: str, blocks: int, seed: int, **geo: int):
     g = {**GEO, **geo, "blocks": blocks}
-    return make_views(shape, g["layers"], g["blocks"], g["heads"], g["tokens"], g["head_dim"], seed=seed,
-                      device=device)
+    return make_views(shape, g["layers"], g["blocks"], g["heads"], g["tokens"], g["head_dim"], seed=seed, device=device)
 
 
 def decode_side(shape: str, device: str, blocks: int = 48, seed: int = 0, **config):
     views, raw = views_for(shape, device, blocks, seed)
     raw.zero_()
-    d = describe(views, num_blocks=blocks, block_size=GEO["tokens"], tp_size=1, tp_rank=0,
-                 total_kv_heads=GEO["heads"], page="vllm:cuda")
+    d = describe(
+        views,
+        num_blocks=blocks,
+        block_size=GEO["tokens"],
+        tp_size=1,
+        tp_rank=0,
+        total_kv_heads=GEO["heads"],
+        page="vllm:cuda",
+    )
     return views, d, KVConnector(d.cache, connector_config({}, side_channel_host="127.0.0.1", **config))
 
 
@@ -110,15 +116,16 @@ def test_flash_attention_reads_the_pulled_cache_in_place(transport: str, block_s
     per_seq = [-(-n // block_size) for n in seq_lens]
     blocks = 64
     rng = np.random.default_rng(block_size)
-    remote_ids = [int(x) for x in rng.permutation(blocks)[:sum(per_seq)]]
-    local_ids = [int(x) for x in rng.permutation(40)[:sum(per_seq)]]
+    remote_ids = [int(x) for x in rng.permutation(blocks)[: sum(per_seq)]]
+    local_ids = [int(x) for x in rng.permutation(40)[: sum(per_seq)]]
     pre = start_prefill("LBNHC", prefill_dev, transport, seed=9, tokens=block_size, blocks=blocks)
     try:
         torch.cuda.set_device(torch.device(decode_dev))
         views, raw = views_for("LBNHC", decode_dev, 48, 0, tokens=block_size)
         raw.zero_()
-        d = describe(views, num_blocks=48, block_size=block_size, tp_size=1, tp_rank=0, total_kv_heads=H,
-                     page="vllm:cuda")
+        d = describe(
+            views, num_blocks=48, block_size=block_size, tp_size=1, tp_rank=0, total_kv_heads=H, page="vllm:cuda"
+        )
         with KVConnector(d.cache, connector_config({}, side_channel_host="127.0.0.1", transport=transport)) as dec:
             dec.pull(pre.lease("fa", remote_ids), local_ids).wait(60)
         original = {rid: _pages(pre.ask("block", rid), L, block_size, H, D) for rid in remote_ids}
@@ -128,7 +135,7 @@ def test_flash_attention_reads_the_pulled_cache_in_place(transport: str, block_s
     def table(ids: list[int]) -> torch.Tensor:
         rows, at = [], 0
         for n in per_seq:
-            rows.append(ids[at:at + n] + [0] * (max(per_seq) - n))
+            rows.append(ids[at : at + n] + [0] * (max(per_seq) - n))
             at += n
         return torch.tensor(rows, dtype=torch.int32, device=decode_dev)
 
@@ -147,8 +154,9 @@ def test_flash_attention_reads_the_pulled_cache_in_place(transport: str, block_s
             nhc = view.transpose(1, 2)  # [B, N, H, C]: the FlashAttention paged layout, K and V packed in C
             k, v = nhc[..., :D], nhc[..., D:]
             assert k.data_ptr() == view.data_ptr()  # a view of the cache, not a copy
-            out = cute.flash_attn_varlen_func(q, k, v, page_table=table(ids), seqused_k=used, causal=False,
-                                              softmax_scale=D ** -0.5)
+            out = cute.flash_attn_varlen_func(
+                q, k, v, page_table=table(ids), seqused_k=used, causal=False, softmax_scale=D**-0.5
+            )
             return out[0] if isinstance(out, tuple) else out
 
         pulled = paged(views[name], local_ids)
@@ -156,11 +164,11 @@ def test_flash_attention_reads_the_pulled_cache_in_place(transport: str, block_s
         assert torch.equal(pulled, reference), (layer, (pulled.float() - reference.float()).abs().max())
         at = 0
         for s, (n, nb) in enumerate(zip(seq_lens, per_seq, strict=True)):  # exact attention, float32
-            pages = torch.cat([original[rid][layer] for rid in remote_ids[at:at + nb]])[:n].float().to(decode_dev)
+            pages = torch.cat([original[rid][layer] for rid in remote_ids[at : at + nb]])[:n].float().to(decode_dev)
             at += nb
             k = pages[..., :D].repeat_interleave(q_heads // H, dim=1)  # (n, 32, D)
             v = pages[..., D:].repeat_interleave(q_heads // H, dim=1)
-            w = torch.softmax(torch.einsum("hd,nhd->hn", q[s, 0].float(), k) * D ** -0.5, dim=-1)
+            w = torch.softmax(torch.einsum("hd,nhd->hn", q[s, 0].float(), k) * D**-0.5, dim=-1)
             exact = torch.einsum("hn,nhd->hd", w, v)
             torch.testing.assert_close(pulled[s, 0].float(), exact, atol=2e-2, rtol=2e-2)
 

@@ -62,8 +62,9 @@ class Transport(abc.ABC):
         transport issues them; raises InvalidRequestError."""
 
     @abc.abstractmethod
-    def post(self, local_ids: np.ndarray, remote_ids: np.ndarray, num_tokens: int | None,
-             notif: bytes) -> tuple[Posted, XferState, PullPlan]:
+    def post(
+        self, local_ids: np.ndarray, remote_ids: np.ndarray, num_tokens: int | None, notif: bytes
+    ) -> tuple[Posted, XferState, PullPlan]:
         """Start moving the ordered pairs; returns the transfer, its state right after posting, and what it
         moves. `notif` is what the prefill side receives when the transfer ends (if `notifies`)."""
 

@@ -62,8 +62,10 @@ def export_region(addr: int) -> tuple[bytes, int]:
     """IPC handle of the allocation holding `addr`, and `addr`'s offset inside it."""
     cu = _libcuda()
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    _check(cu.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(addr)),
-           "cuMemGetAddressRange")
+    _check(
+        cu.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(addr)),
+        "cuMemGetAddressRange",
+    )
     handle = _Handle()
     _check(cu.cuIpcGetMemHandle(ctypes.byref(handle), base), "cuIpcGetMemHandle")
     return bytes(handle), addr - base.value  # (.reserved would stop at the first NUL byte)
@@ -145,9 +147,20 @@ class IpcGather:
             self._graphs = []
 
     def _launch(self, slot: int) -> None:
-        _kernel()[(self._programs,)](self._src_ptr, self._dst_ptr, self._src_table, self._dst_table,
-                                     self._dev_ids[slot], self._nb_src, self._nb_dst, self._unit_words,
-                                     self._num_units, self._chunks, CHUNK=_CHUNK_WORDS, num_warps=8)
+        _kernel()[(self._programs,)](
+            self._src_ptr,
+            self._dst_ptr,
+            self._src_table,
+            self._dst_table,
+            self._dev_ids[slot],
+            self._nb_src,
+            self._nb_dst,
+            self._unit_words,
+            self._num_units,
+            self._chunks,
+            CHUNK=_CHUNK_WORDS,
+            num_warps=8,
+        )
 
     @classmethod
     def open(cls, info: Any, pair: Any, cache: Any) -> IpcGather:
@@ -188,11 +201,11 @@ class IpcGather:
         host = self._host_ids[slot]
         words = host.numpy()
         words[0] = n
-        words[1:1 + 2 * n:2] = remote_ids
-        words[2:2 + 2 * n:2] = local_ids
+        words[1 : 1 + 2 * n : 2] = remote_ids
+        words[2 : 2 + 2 * n : 2] = local_ids
         try:
             with torch.cuda.stream(self._stream):
-                self._dev_ids[slot][:1 + 2 * n].copy_(host[:1 + 2 * n], non_blocking=True)
+                self._dev_ids[slot][: 1 + 2 * n].copy_(host[: 1 + 2 * n], non_blocking=True)
                 if self._graphs:
                     self._graphs[slot].replay()
                 else:
@@ -263,8 +276,9 @@ def _kernel() -> Any:
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["nb_src", "nb_dst", "unit_words", "num_units", "chunks"])  # one build for all
-    def gather_blocks(src, dst, src_table, dst_table, ids, nb_src, nb_dst, unit_words, num_units, chunks,
-                      CHUNK: tl.constexpr):
+    def gather_blocks(
+        src, dst, src_table, dst_table, ids, nb_src, nb_dst, unit_words, num_units, chunks, CHUNK: tl.constexpr
+    ):
         # ids = [n, remote_0, local_0, remote_1, local_1, ...]; a fixed grid of programs walks the
         # n * num_units * chunks work items (chunk c of unit u of pair i), so one launch (or graph) fits any n
         n = tl.load(ids)
@@ -314,8 +328,9 @@ class IpcTransport(Transport):
     def order(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self._pair.bounds_checked(local_ids, remote_ids)  # one kernel: issue order is irrelevant
 
-    def post(self, local_ids: np.ndarray, remote_ids: np.ndarray, num_tokens: int | None,
-             notif: bytes) -> tuple[Posted, XferState, PullPlan]:
+    def post(
+        self, local_ids: np.ndarray, remote_ids: np.ndarray, num_tokens: int | None, notif: bytes
+    ) -> tuple[Posted, XferState, PullPlan]:
         event = self._gather.post(local_ids, remote_ids)  # launch first: the plan is only bookkeeping here
         return _PostedGather(event), XferState.PROC, self._pair.summary(int(local_ids.size))
 

@@ -46,8 +46,9 @@ class NixlRead(Transport):
     def order(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self._pair.order_checked(local_ids, remote_ids)
 
-    def post(self, local_ids: np.ndarray, remote_ids: np.ndarray, num_tokens: int | None,
-             notif: bytes) -> tuple[Posted, XferState, PullPlan]:
+    def post(
+        self, local_ids: np.ndarray, remote_ids: np.ndarray, num_tokens: int | None, notif: bytes
+    ) -> tuple[Posted, XferState, PullPlan]:
         plan = self._pair.plan_validated(local_ids, remote_ids, num_tokens)
         xfer = self._agent.read(self._local, plan.local_indices, self._remote, plan.remote_indices, notif)
         posted = PostedRead(self._agent, xfer)
