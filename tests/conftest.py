@@ -1,4 +1,4 @@
-"""Test-wide settings: keep UCX on loopback and NIXL quiet, before anything loads NIXL.
+"""Test-wide settings: keep UCX on loopback and NIXL quiet, before anything loads NIXL; the KV digest on.
 
 On a GPU machine (where `pytest -m gpu tests/gpu` runs) UCX keeps its defaults, so cuda_ipc is used.
 """
@@ -7,6 +7,9 @@ import os
 import shutil
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+# every pull the tests make checks its bytes end to end (kv_digest; tests/helpers.py for in-process connectors):
+# the workers, prefill processes and vLLM servers the tests start inherit this
+os.environ.setdefault("KVCONNECT_KV_DIGEST", "1")
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("UCX_TLS", "tcp,cma,sm,self")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")

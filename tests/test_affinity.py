@@ -12,9 +12,9 @@ import threading
 import pytest
 
 from kvconnect.core.cache import KVCache
-from kvconnect.core.config import connector_config
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.layout import CacheSpec, LayoutKind
+from tests.helpers import config_for_tests
 
 SPEC = CacheSpec(
     kind=LayoutKind.BLOCKS_FIRST,
@@ -49,7 +49,7 @@ def test_threads_the_connector_starts_leave_the_core_its_creator_was_pinned_to()
     def engine_thread() -> None:  # as vLLM's worker: pinned, then it builds the connector
         os.sched_setaffinity(0, pin)
         before = threads()
-        conn = KVConnector(KVCache.allocate(SPEC), connector_config({}, side_channel_host="127.0.0.1"))
+        conn = KVConnector(KVCache.allocate(SPEC), config_for_tests())
         try:
             seen["new"] = {tid: v for tid, v in threads().items() if tid not in before}
             seen["own"] = frozenset(os.sched_getaffinity(0))

@@ -143,6 +143,16 @@ def test_the_library_and_the_vllm_plugin_need_no_serving_libraries(module: str) 
     assert not third_party(MODULES[module]) & set(SERVE_LIBRARIES), module
 
 
+def test_no_test_module_imports_another() -> None:
+    """Shared test code lives in helper modules (tests/helpers.py, faultkit.py, ...), not in test modules."""
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        names = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        bad = [name for name in names if name.split(".")[-1].startswith("test_") or ".test_" in name]
+        assert not bad, f"{path.relative_to(ROOT)} imports test modules {bad}"
+
+
 def test_scripts_do_not_import_the_test_suite() -> None:
     for path in sorted((ROOT / "scripts").glob("*.py")):
         assert not any(name.startswith("tests") for name in imported(path)), path

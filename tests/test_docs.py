@@ -17,15 +17,23 @@ README = (ROOT / "README.md").read_text()
 
 
 def run_python(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "NIXL_LOG_LEVEL": "WARN"})
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "NIXL_LOG_LEVEL": "WARN"},
+    )
 
 
 def test_the_readme_starts_with_its_two_commands_and_stays_short() -> None:
     first = re.search(r"```bash\n(.*?)```", README, re.S)
     assert first is not None and README.index(first.group(0)) < 40
     assert [line.split("#")[0].strip() for line in first.group(1).splitlines()] == [
-        "bash scripts/dev.sh demo", "bash scripts/dev.sh test"]
+        "bash scripts/dev.sh demo",
+        "bash scripts/dev.sh test",
+    ]
     assert len(README.split()) <= 850
 
 

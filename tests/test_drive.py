@@ -10,11 +10,11 @@ import msgspec
 import pytest
 
 from kvconnect.core.cache import KVCache
-from kvconnect.core.config import connector_config
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.layout import CacheSpec, LayoutKind
 from kvconnect.testing.net import poll_until
 from kvconnect.testing.prefill import PrefillProcess
+from tests.helpers import config_for_tests
 
 SPEC = CacheSpec(
     kind=LayoutKind.CROSS_LAYER,
@@ -35,7 +35,7 @@ def prefill():
 
 
 def decoder() -> KVConnector:
-    return KVConnector(KVCache.allocate(SPEC), connector_config({}, side_channel_host="127.0.0.1"))
+    return KVConnector(KVCache.allocate(SPEC), config_for_tests())
 
 
 def test_a_driving_thread_completes_a_pull_while_the_loop_thread_is_held(prefill: PrefillProcess) -> None:
@@ -78,7 +78,7 @@ def test_the_vllm_worker_side_drives_its_pulls_from_the_engine_thread() -> None:
         pre.wait_setup()
         params = msgspec.to_builtins(pre.lease("worker-driven", [2, 9], 64))
         views, _ = packed_views("LBHNC", 2, 12, 2, 32, 32, seed=1)
-        worker = WorkerSide(connector_config({}, side_channel_host="127.0.0.1"), tp_rank=0, total_kv_heads=2)
+        worker = WorkerSide(config_for_tests(), tp_rank=0, total_kv_heads=2)
         worker.register(views, num_blocks=12, block_size=32, tp_size=1, page="vllm:cpu-vec")
         conn = worker.connector
         assert conn is not None

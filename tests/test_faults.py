@@ -324,7 +324,7 @@ def test_without_confirmation_an_expired_lease_would_be_served() -> None:
     from kvconnect.core.errors import LeaseLostError
     from kvconnect.core.layout import LayoutKind
     from kvconnect.testing.prefill import PrefillProcess
-    from tests.test_pull import decoder, spec
+    from tests.helpers import decoder, spec
 
     pre = PrefillProcess.start(spec(LayoutKind.BLOCKS_FIRST))
     try:
@@ -355,7 +355,7 @@ def test_abandoned_read_lands_after_release_so_blocks_are_held_until_it_ends(mon
     from kvconnect.core.layout import LayoutKind
     from kvconnect.testing.net import wait_stopped
     from kvconnect.testing.prefill import PrefillProcess
-    from tests.test_pull import decoder, spec
+    from tests.helpers import decoder, spec
 
     pre = PrefillProcess.start(spec(LayoutKind.BLOCKS_FIRST, num_blocks=64), env={"UCX_TLS": "tcp"})
     try:
@@ -393,7 +393,7 @@ def test_pull_waiting_on_a_peer_that_moved_fails_instead_of_hanging() -> None:
     from kvconnect.core.layout import LayoutKind
     from kvconnect.core.params import KVTransferParams
     from kvconnect.testing.prefill import PrefillProcess
-    from tests.test_pull import decoder, spec
+    from tests.helpers import decoder, spec
 
     pre = PrefillProcess.start(spec(LayoutKind.BLOCKS_FIRST), engine_id="moving")
     try:

@@ -9,13 +9,13 @@ import msgspec
 import pytest
 
 from kvconnect.core.cache import KVCache
-from kvconnect.core.config import connector_config
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.errors import LeaseLostError
 from kvconnect.core.layout import CacheSpec, LayoutKind
 from kvconnect.core.lease import new_lease_id
 from kvconnect.testing.prefill import PrefillProcess
 from tests.faultkit import poll_until
+from tests.helpers import config_for_tests
 
 SPEC = CacheSpec(
     kind=LayoutKind.CROSS_LAYER,
@@ -52,7 +52,7 @@ def not_granted_yet(pre: PrefillProcess, request_id: str, block_ids: list[int]):
 def decoder(**config) -> KVConnector:
     return KVConnector(
         KVCache.allocate(msgspec.structs.replace(SPEC, num_blocks=8)),
-        connector_config({}, side_channel_host="127.0.0.1", **config),
+        config_for_tests(**config),
     )
 
 

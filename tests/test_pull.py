@@ -13,11 +13,9 @@ import numpy as np
 import pytest
 import zmq
 
-from kvconnect.core.cache import KVCache
-from kvconnect.core.config import connector_config
-from kvconnect.core.connector import KVConnector
 from kvconnect.core.errors import (
     AuthError,
+    DigestError,
     HandshakeTimeoutError,
     InvalidRequestError,
     LayoutMismatchError,
@@ -25,16 +23,11 @@ from kvconnect.core.errors import (
     TransferError,
     TransferTimeoutError,
 )
-from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.layout import LayoutKind
 from kvconnect.core.params import KVTransferParams
 from kvconnect.testing.prefill import PrefillProcess
 from tests.faultkit import poll_until
-
-GEOMETRY = dict(dtype="float16", num_layers=3, block_size=16, num_kv_heads=2, head_dim=32)
-
-
-def spec(kind: LayoutKind, num_blocks: int = 40, **kw) -> CacheSpec:
-    return CacheSpec(kind=kind, num_blocks=num_blocks, **{**GEOMETRY, **kw})
+from tests.helpers import decoder, spec
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +36,6 @@ def prefills():
     yield procs
     for proc in procs.values():
         proc.stop()
-
-
-def decoder(kind: LayoutKind, num_blocks: int = 32, **config) -> KVConnector:
-    return KVConnector(
-        KVCache.allocate(spec(kind, num_blocks)), connector_config({}, side_channel_host="127.0.0.1", **config)
-    )
 
 
 def rid() -> str:
@@ -132,6 +119,26 @@ def test_params_replayed_to_a_second_decode_after_the_read_are_consumed(prefills
         with pytest.raises(LeaseLostError, match="consumed"):
             b.pull(params, [0, 1, 2]).wait(20)
         assert b.snapshot().pull_failures == {"LeaseLostError": 1}
+
+
+@pytest.mark.parametrize(("local_kind", "first"), [(LayoutKind.CROSS_LAYER, 32), (LayoutKind.KV_FIRST, 35)])
+def test_blocks_that_changed_after_the_grant_fail_the_pull_on_their_digest(prefills, local_kind, first) -> None:
+    """Something wrote into a leased block before the READ (here: the harness, as a bug in an engine or an
+    allocator would): the READ, the pin and the confirmation all succeed, so only the bytes tell. With
+    kv_digest the decode sums what it wrote, the prefill's grant-time sums disagree, and the pull fails
+    closed; an untouched lease of the same blocks from another layout passes (the sums are layout-free)."""
+    pre = prefills[LayoutKind.BLOCKS_FIRST]
+    with decoder(local_kind) as dec:
+        good = pre.lease(rid(), [30, 31])
+        stats = dec.pull(good, [0, 1]).wait(20)
+        assert stats.digest_s > 0  # checked (and passed) across layouts
+        request_id = rid()
+        bad = pre.lease(request_id, [first, first + 1, first + 2])  # (blocks no earlier test overwrote)
+        pre.ask("overwrite", first + 1)
+        with pytest.raises(DigestError, match="digest"):
+            dec.pull(bad, [2, 3, 4]).wait(20)
+        assert dec.snapshot().pull_failures == {"DigestError": 1}
+        poll_until(lambda: pre.ask("state", request_id) != "held", what="the bad lease ended")
 
 
 def test_a_pull_whose_start_raises_fails_naming_why_instead_of_vanishing(prefills, monkeypatch) -> None:

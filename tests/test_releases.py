@@ -15,7 +15,6 @@ import pytest
 from kvconnect.core import lease_client
 from kvconnect.core import protocol as p
 from kvconnect.core.cache import KVCache
-from kvconnect.core.config import connector_config
 from kvconnect.core.confirm import LeaseConfirmation
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.errors import KVConnectError, LayoutMismatchError, LeaseLostError
@@ -27,6 +26,7 @@ from kvconnect.core.pull import PinState, Pull
 from kvconnect.serving.serve import exposure_warning
 from kvconnect.testing.prefill import PrefillProcess
 from tests.faultkit import poll_until
+from tests.helpers import config_for_tests
 
 SPEC = CacheSpec(
     kind=LayoutKind.BLOCKS_FIRST,
@@ -40,7 +40,7 @@ SPEC = CacheSpec(
 
 
 def decoder(**config) -> KVConnector:
-    return KVConnector(KVCache.allocate(SPEC), connector_config({}, side_channel_host="127.0.0.1", **config))
+    return KVConnector(KVCache.allocate(SPEC), config_for_tests(**config))
 
 
 def closed_port_base(ranks: int) -> int:
@@ -130,7 +130,7 @@ def test_a_lease_answer_from_another_incarnation_fails_the_pull() -> None:
     on the same address) must not make the pull's data trusted."""
     failed: list[KVConnectError] = []
     confirmation = LeaseConfirmation(
-        connector_config({}), "decode", lambda pull: None, lambda pull, e: failed.append(e)
+        config_for_tests(), KVCache.allocate(SPEC), "decode", lambda pull: None, lambda pull, e: failed.append(e)
     )
     info = p.PeerInfo(p.PROTOCOL_VERSION, "prefill-0", "a" * 32, "agent", b"", SPEC, [0, 0, 0, 0])
     peer = Peer("prefill-0", "127.0.0.1", 5600, types.SimpleNamespace(), Source(0, (0, 2), 0, 1), info=info)

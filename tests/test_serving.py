@@ -89,6 +89,9 @@ def test_concurrent_streaming_and_not_leave_nothing_behind(cluster: Cluster) -> 
         expected = [f.result() for f in refs]
     for got, want in zip(results, expected, strict=True):
         assert got["status"] == 200 and got["token_ids"] == want["token_ids"]
+    samples = scrape(cluster.urls["decode"])  # every pull's blocks were summed against the prefill's (kv_digest)
+    pulls = sum(v for (n, _), v in samples.items() if n == "kvconnect_nixl_xfer_time_seconds_count")
+    assert sum(v for (n, _), v in samples.items() if n == "kvconnect_digest_seconds_count") == pulls > 0
     poll_until(lambda: health(cluster.urls["prefill"])["leased_blocks"] == 0, what="no leased blocks")
     poll_until(
         lambda: {n: health(cluster.urls[n])["free_blocks"] for n in before} == before,

@@ -106,6 +106,9 @@ def test_disaggregated_vllm_equals_aggregated_for_every_prompt(c: VllmCluster) -
     # the transfers show in vLLM's own /metrics, as the decode's connector reported them
     assert metric(c.urls["decode"], "vllm:kvconnect_pull_time_seconds_count") >= pulls + len(cases)
     assert metric(c.urls["decode"], "vllm:kvconnect_bytes_transferred_sum") > 0
+    # ... and the bytes, not only the tokens, matched: every pull's blocks were summed against the prefill's
+    digests = metric(c.urls["decode"], "vllm:kvconnect_digest_time_seconds_count")
+    assert digests == metric(c.urls["decode"], "vllm:kvconnect_pull_time_seconds_count") > 0
     poll_until(lambda: quiet(c), timeout_s=30, what="every prefill lease ended by its read")
     assert metric(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome="completed") >= len(cases)
 

@@ -14,7 +14,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvconnect.core.cache import KVCache
-from kvconnect.core.config import connector_config
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.errors import LayoutError, LayoutMismatchError
 from kvconnect.core.hetero import Path, plan_source, plan_sources
@@ -22,6 +21,7 @@ from kvconnect.core.layout import LayoutKind
 from kvconnect.testing.prefill import PrefillProcess
 from kvconnect.testing.vllm_shapes import packed_views, split_views
 from kvconnect.vllm.layout import describe
+from tests.helpers import config_for_tests
 from tests.oracle import plan as full_plan
 
 PAGE = "vllm:cpu-vec"
@@ -192,7 +192,7 @@ def test_a_vllm_shaped_cache_is_pulled_over_nixl_byte_exact() -> None:
         pre.setup_views("BLHNC", dict(layers=3, blocks=16, heads=4, tokens=32, head_dim=32, page=PAGE), 9)
         pre.wait_setup()
         params = pre.lease("vllm-shaped", [4, 9, 2])
-        with KVConnector(dst.cache, connector_config({}, side_channel_host="127.0.0.1")) as dec:
+        with KVConnector(dst.cache, config_for_tests()) as dec:
             stats = dec.pull(params, [0, 1, 15]).wait(60)
         assert stats.num_blocks == 3 and stats.bytes == 3 * spec.block_bytes and stats.path == "block"
         for lid, rid in zip([0, 1, 15], [4, 9, 2], strict=True):
@@ -249,7 +249,7 @@ def test_a_split_kv_cache_pulls_from_a_kvconnect_engine_over_nixl() -> None:
     remote = msgspec.structs.replace(d.cache.spec, kind=LayoutKind.CROSS_LAYER)
     pre = PrefillProcess.start(remote, seed=4)
     try:
-        with KVConnector(d.cache, connector_config({}, side_channel_host="127.0.0.1")) as dec:
+        with KVConnector(d.cache, config_for_tests()) as dec:
             dec.pull(pre.lease("split", [5, 0, 11]), [2, 9, 3]).wait(60)
         for lid, rid in zip([2, 9, 3], [5, 0, 11], strict=True):
             assert d.cache.block_bytes(lid) == pre.ask("block", rid)

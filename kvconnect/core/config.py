@@ -61,6 +61,10 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
     pull_timeout_s: float = 30.0  # deadline of one READ, posting to completion
     confirm_reads: bool = True  # ask the prefill side whether the lease held during the read
     pin_reads: bool = True  # pin the lease as the READ is posted, so its end needs no round trip (lease.py)
+    # check every pulled block's content end to end (digest.py): a prefill sums each leased block's words at
+    # grant and answers with their digest; a decode sums what it wrote and fails the pull on a mismatch.
+    # Both sides need it on. Costs one read of the request's bytes on each side
+    kv_digest: bool = False
     nixl_threads: int = 0  # UCX worker threads per agent (0 = backend default)
     telemetry: bool = False  # NIXL per-transfer telemetry (issued descriptor counts)
     failure_policy: FailurePolicy = FailurePolicy.FAIL  # decode: a request whose pull failed fails, or is recomputed
@@ -128,6 +132,8 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
             parse_cpu_list(self.loop_cpus)
         except ValueError as e:
             raise ConfigError(f"setting loop_cpus ({ENV_PREFIX}LOOP_CPUS): {e}") from None
+        if self.kv_digest and not self.confirm_reads:
+            raise ConfigError("kv_digest needs confirm_reads: the digest comes with the prefill's lease answer")
         if self.staging_mb < 0:
             raise ConfigError(f"staging_mb must be >= 0, got {self.staging_mb}")
         if self.verdict_bytes < 0 or self.verdict_bytes % 2**20:

@@ -22,13 +22,17 @@ that is not fail-closed, and the worker warns at start when it is configured.
 
 from __future__ import annotations
 
+import hmac
 import time
 from collections.abc import Callable
 
 from kvconnect.core import lease_client
 from kvconnect.core import protocol as p
+from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig
-from kvconnect.core.errors import HandshakeError, KVConnectError, LeaseLostError, PeerGoneError
+from kvconnect.core.digest import applies, block_sums, digest
+from kvconnect.core.errors import DigestError, HandshakeError, KVConnectError, LeaseLostError, PeerGoneError
+from kvconnect.core.hetero import Path
 from kvconnect.core.peers import Peer
 from kvconnect.core.pull import PinState, Pull, PullPhase
 
@@ -56,11 +60,13 @@ class LeaseConfirmation:
     def __init__(
         self,
         config: ConnectorConfig,
+        cache: KVCache,
         engine_id: str,
         succeed: Callable[[Pull], None],
         fail: Callable[[Pull, KVConnectError], None],
     ) -> None:
         self._config = config
+        self._cache = cache
         self._engine_id = engine_id
         self._succeed = succeed
         self._fail = fail
@@ -95,7 +101,7 @@ class LeaseConfirmation:
     def read_done(self, peer: Peer | None, pull: Pull) -> None:
         """The transfer ended well (and staged data was placed): decide now, or once the pin is answered."""
         if peer is not None and not self.needed(peer):
-            self._succeed(pull)  # (the transfer's own notification ends the lease)
+            self._succeed_checked(peer, pull)  # (the transfer's own notification ends the lease)
             return
         pull.phase = PullPhase.CONFIRMING
         if pull.pin is not PinState.SENT:
@@ -119,6 +125,12 @@ class LeaseConfirmation:
             return
         if isinstance(reply, p.LeaseReply) and self._not_granted_yet(peer, pull, reply):
             return
+        if (
+            isinstance(reply, p.LeaseReply)
+            and reply.kv_digest
+            and reply.state in (p.LeaseState.HELD, p.LeaseState.COMPLETED)
+        ):
+            pull.remote_digest = reply.kv_digest
         if pull.pin is PinState.SENT:
             if isinstance(reply, HandshakeError):
                 pull.pin, pull.pin_error = PinState.LOST, f"unpinned ({reply})"
@@ -133,7 +145,7 @@ class LeaseConfirmation:
             self._fail(pull, reply)
         elif reply.state is p.LeaseState.COMPLETED:
             pull.handle.stats.confirm_s = time.monotonic() - pull.read_done_s
-            self._succeed(pull)
+            self._succeed_checked(peer, pull)
         else:
             self._fail(
                 pull,
@@ -159,6 +171,30 @@ class LeaseConfirmation:
         pull.asked += 1
         self._asking_again.append(pull)
         return True
+
+    def _succeed_checked(self, peer: Peer | None, pull: Pull) -> None:
+        """Succeed, unless the pulled blocks' digest says they hold something else (kv_digest)."""
+        problem = self._digest_problem(peer, pull)
+        if problem:
+            self._fail(pull, DigestError(f"pull {pull.handle.request_id}: {problem}; data discarded"))
+        else:
+            self._succeed(pull)
+
+    def _digest_problem(self, peer: Peer | None, pull: Pull) -> str:
+        """Why the blocks this pull wrote are not the prefill's ("" when they are, or are not checked)."""
+        if not self._config.kv_digest or peer is None or peer.plan is None or peer.info is None:
+            return ""
+        whole = peer.plan.path is Path.BLOCK and peer.plan.pair.block_for_block
+        if not applies(self._cache.spec, peer.info.spec, whole, pull.group is None):
+            return ""  # (blocks reassembled from pieces or several sources: not checked)
+        if not pull.remote_digest:
+            return "the prefill's lease answer carried no digest (is its kv_digest on?)"
+        t0 = time.monotonic()
+        mine = digest(block_sums(self._cache, pull.local_block_ids))
+        pull.handle.stats.digest_s = time.monotonic() - t0
+        if hmac.compare_digest(mine, pull.remote_digest):
+            return ""
+        return f"the pulled blocks' digest {mine.hex()[:16]} is not the prefill's {pull.remote_digest.hex()[:16]}"
 
     def tick(self, now: float, peer_of: Callable[[Pull], Peer | None]) -> None:
         """Repeat the PINs and CONFIRMs that are due (loop tick)."""
@@ -195,7 +231,7 @@ class LeaseConfirmation:
         if pull.pin is PinState.HELD and time.monotonic() < pull.pin_until_s:
             peer.channel.send(confirm)  # ends our pin and, for the last reader, the lease; answer not needed
             pull.handle.stats.confirm_s = time.monotonic() - pull.read_done_s
-            self._succeed(pull)
+            self._succeed_checked(peer, pull)
             return
         peer.confirming[p.ref_of(confirm)] = pull
         peer.channel.send(confirm)

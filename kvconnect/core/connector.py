@@ -33,6 +33,7 @@ from kvconnect.core.agent import AgentOptions, MemKind, NixlAgent
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig, TransportChoice
 from kvconnect.core.decode import DecodeSide
+from kvconnect.core.digest import block_sums
 from kvconnect.core.errors import KVConnectError
 from kvconnect.core.handshake import SideChannelServer
 from kvconnect.core.lease import Lease, LeaseTable, new_lease_id
@@ -135,7 +136,8 @@ class KVConnector:
         the base port, so rank 0's params serve all. Blocks other live leases hold may be leased again."""
         ids = validate_block_ids("block_ids", block_ids, self.spec.num_blocks).tolist()
         lease_id = lease_id or new_lease_id()
-        self._leases.grant(lease_id, ids, label=request_id)
+        content = block_sums(self.cache, ids) if self.config.kv_digest else ()
+        self._leases.grant(lease_id, ids, label=request_id, content=content)
         return KVTransferParams(
             do_remote_prefill=True,
             remote_engine_id=self.engine_id,

@@ -68,7 +68,7 @@ class DecodeSide:
         self._staging_wait: list[Pull] = []  # staging pulls waiting for free staging blocks
         self._posted: list[Pull] = []
         self.abandoned = AbandonedReads()  # given-up transfers that may still land
-        self._confirm = LeaseConfirmation(config, engine_id, self._succeed, self._fail)
+        self._confirm = LeaseConfirmation(config, cache, engine_id, self._succeed, self._fail)
         self._allowed = parse_allowlist(config.peer_allowlist)
         self.release = Releases(peers, engine_id, self._allowed)
 

@@ -92,5 +92,9 @@ class PeerGoneError(TransferError):
     """The remote agent disconnected (killed, restarted) during or before a pull."""
 
 
+class DigestError(TransferError):
+    """The blocks a pull wrote do not hold what the prefill leased (kv_digest): the data must not be used."""
+
+
 class LeaseLostError(TransferError):
     """The prefill side no longer held the blocks when the pull finished: the data must not be used."""

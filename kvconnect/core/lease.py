@@ -75,6 +75,7 @@ class Lease:
     tokens: dict[int, bytes] = field(default_factory=dict)  # reader -> the read token that claimed it
     deferred: bool = False  # ended while pinned: blocks go back when the last pin ends
     deferred_scrub: Callable[[list[int]], None] | None = None
+    content: tuple[int, ...] = ()  # per block, its content sum at grant (kv_digest; digest.py), or nothing
 
     @property
     def request_id(self) -> str:
@@ -165,7 +166,14 @@ class LeaseTable:
 
     # --- transitions -------------------------------------------------------------------------------
 
-    def grant(self, lease_id: str, block_ids: Iterable[int], ttl_s: float | None = None, label: str = "") -> Lease:
+    def content_of(self, lease_id: str, block_ids: Sequence[int]) -> list[int] | None:
+        """The content sums the grant recorded for `block_ids` of the lease (None: it recorded none)."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            by_block = dict(zip(lease.block_ids, lease.content, strict=True)) if lease and lease.content else {}
+        return [by_block[int(b)] for b in block_ids] if all(int(b) in by_block for b in block_ids) else None
+
+    def grant(self, lease_id: str, block_ids: Iterable[int], label: str = "", content: Sequence[int] = ()) -> Lease:
         """Lease `block_ids` under the lease id `lease_id` (`new_lease_id()`; a TP group's ranks share one).
         Blocks other live leases hold may be leased again (shared prefix blocks); an id the table still
         remembers, held or ended, is refused: its blocks might otherwise never be handed back."""
@@ -176,7 +184,7 @@ class LeaseTable:
             if len(set(ids)) != len(ids):
                 raise LeaseError(f"lease {label or lease_id[:8]}: duplicated block ids")
             now = self._clock()
-            lease = Lease(lease_id, ids, now, now + (ttl_s if ttl_s is not None else self.ttl_s), label=label)
+            lease = Lease(lease_id, ids, now, now + self.ttl_s, label=label, content=tuple(int(x) for x in content))
             self._leases[lease_id] = lease
             for b in ids:
                 self._holders[b] = self._holders.get(b, 0) + 1
@@ -290,6 +298,7 @@ class LeaseTable:
         now = self._clock()
         expired: list[Lease] = []
         unpinned: list[tuple[Lease, list[int], Callable[[list[int]], None] | None]] = []
+        tomb = self.tombstone_s
         with self._lock:
             for rid, lease in list(self._leases.items()):
                 if lease.pins:
@@ -301,11 +310,7 @@ class LeaseTable:
                         unpinned.append(freeing)
                 if lease.state is LeaseState.HELD and now >= lease.expires_s and not lease.pins:
                     expired.append(lease)
-                elif (
-                    lease.state is not LeaseState.HELD
-                    and not lease.deferred
-                    and now - lease.ended_s >= self.tombstone_s
-                ):
+                elif lease.state is not LeaseState.HELD and not lease.deferred and now - lease.ended_s >= tomb:
                     del self._leases[rid]
             for rid in [r for r, (until, _, _) in self._early.items() if until <= now]:
                 del self._early[rid]
@@ -313,11 +318,9 @@ class LeaseTable:
             self._free(*freeing)
         ended = [x for x in expired if self._end(x.lease_id, LeaseState.EXPIRED) is LeaseState.EXPIRED]
         for lease in ended:
+            age, n = now - lease.granted_s, len(lease.block_ids)
             log.warning(
-                "lease %s expired unread after %.3gs: %d blocks back to the allocator",
-                lease.request_id,
-                now - lease.granted_s,
-                len(lease.block_ids),
+                "lease %s expired unread after %.3gs: %d blocks back to the allocator", lease.request_id, age, n
             )
         return ended
 

@@ -14,11 +14,13 @@ from kvconnect.core import protocol as p
 from kvconnect.core.agent import NixlAgent
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig, TransportChoice
+from kvconnect.core.digest import digest
 from kvconnect.core.errors import KVConnectError
 from kvconnect.core.lease import LeaseTable
 from kvconnect.core.snapshot import Counters
 
 log = logging.getLogger(__name__)
+READ_OK = (p.LeaseState.HELD, p.LeaseState.COMPLETED)  # answers that let a read count: they carry the digest
 
 
 def peer_info(
@@ -84,7 +86,9 @@ class PrefillSide:
             self._counters.unknown_lease_requests += 1  # not granted yet (lease_grace_s), forgotten, or made up
         elif state is p.LeaseState.CONSUMED:
             log.warning("lease %s...: %s from %s refused: another reader's", lease_id[:8], msg.action.value, peer)
-        return p.LeaseReply(lease_id, state, self._incarnation_id, seq=msg.seq)
+        sums = self._leases.content_of(lease_id, msg.block_ids) if state in READ_OK else None
+        kv_digest = digest(sums) if sums else b""
+        return p.LeaseReply(lease_id, state, self._incarnation_id, seq=msg.seq, kv_digest=kv_digest)
 
     def drain_notifs(self) -> None:
         """Complete the leases whose READs have ended, as their notifications say."""

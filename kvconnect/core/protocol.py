@@ -25,7 +25,7 @@ from kvconnect.core.layout import CacheSpec
 
 # 2: leases keyed by the prefill's random lease id (`kv_transfer_params.remote_lease_id`) and every PIN,
 # CONFIRM, RELEASE and notification carrying its reader's read token; a version-1 peer is refused by version
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # agent metadata is the largest part (tens of KiB)
 
 
@@ -109,6 +109,7 @@ class LeaseReply(msgspec.Struct, tag="lease_reply"):
     mac: bytes = b""
     reason: str = ""  # why a request was refused (the state is then UNKNOWN, or the lease's own state)
     seq: int = 0  # the request's `seq`
+    kv_digest: bytes = b""  # a held or completed lease's digest of the blocks named (kv_digest; digest.py)
 
 
 class ErrorReply(msgspec.Struct, tag="error"):

@@ -69,6 +69,7 @@ class PullStats(msgspec.Struct):
     path: str = ""  # "block", "direct" or "staging" (hetero.py); "+"-joined over several sources
     num_sources: int = 1  # prefill ranks read (heterogeneous TP)
     scatter_s: float = 0.0  # staging path: staging -> decode cache on the device
+    digest_s: float = 0.0  # kv_digest: summing the pulled blocks on this side (0: not checked)
     num_descs_issued: int = 0  # descriptors NIXL reported issuing (0 unless the `telemetry` setting is on)
 
     @property
@@ -165,6 +166,7 @@ class Pull:
     asked: int = 0  # how many times it was repeated
     # this pull's own claim on the lease (lease.py): a replay of the same params by another pull has another
     read_token: bytes = field(default_factory=lambda: secrets.token_bytes(16))
+    remote_digest: bytes = b""  # the prefill's digest of the blocks read, from its lease answer (kv_digest)
 
     def notif(self, incarnation_id: str) -> bytes:
         """The notification this pull's READ carries to the prefill (it completes the lease for this reader)."""

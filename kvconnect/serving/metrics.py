@@ -100,6 +100,12 @@ class WorkerMetrics:
             registry=r,
             buckets=_TIME_BUCKETS,
         )
+        self.digest_time = Histogram(
+            "kvconnect_digest_seconds",
+            "kv_digest: summing a pull's blocks to check them against the prefill's",
+            registry=r,
+            buckets=_TIME_BUCKETS,
+        )
         self.descs = Histogram(
             "kvconnect_nixl_num_descriptors",
             "descriptors per pull after run merging",
@@ -153,6 +159,8 @@ class WorkerMetrics:
         self.paths.labels(stats.path or "block", str(stats.num_sources)).inc()
         if "staging" in stats.path:
             self.scatter_time.observe(stats.scatter_s)
+        if stats.digest_s > 0:
+            self.digest_time.observe(stats.digest_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

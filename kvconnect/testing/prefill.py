@@ -131,7 +131,7 @@ class _Server:
         if self.device.startswith("cuda"):
             torch.cuda.synchronize(torch.device(self.device))
         self.freed = []
-        config = connector_config({}, **{**self.config, **({"side_channel_port": port} if port else {})})
+        config = connector_config(None, **{**self.config, **({"side_channel_port": port} if port else {})})
         self.connector = KVConnector(self.cache, config, on_blocks_freed=self.freed.extend)
         return self.connector.side_channel_port, self.connector.incarnation_id
 

@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-SERIES = ("pull_s", "xfer_s", "post_s", "bytes", "num_descs")  # one value per successful pull
+SERIES = ("pull_s", "xfer_s", "post_s", "bytes", "num_descs", "digest_s")  # per successful pull (digest_s: checked)
 COUNTS = ("failed", "leases_ended")  # {label: count}
 
 
@@ -59,6 +59,8 @@ class KVConnectStats(KVConnectorStats):
             ("num_descs", stats.num_descs_merged),
         ):
             self.data[key].append(value)
+        if stats.digest_s > 0:  # its blocks' content was checked against the prefill's (kv_digest)
+            self.data["digest_s"].append(stats.digest_s)
 
     def count(self, what: str, label: str) -> None:
         bucket = self.data[what]
@@ -150,6 +152,14 @@ class KVConnectPromMetrics(KVConnectorPromMetrics):
                     name="vllm:kvconnect_num_descriptors",
                     documentation="kvconnect: descriptors per pull after merging",
                     buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384, 65536],
+                    labelnames=labelnames,
+                )
+            ),
+            "digest_s": per_engine(
+                hist(
+                    name="vllm:kvconnect_digest_time_seconds",
+                    buckets=_TIME_BUCKETS,
+                    documentation="kvconnect: summing a pull's blocks to check them against the prefill's (kv_digest)",
                     labelnames=labelnames,
                 )
             ),

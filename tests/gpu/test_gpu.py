@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from kvconnect.core.cache import KVCache
-from kvconnect.core.config import connector_config
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.layout import CacheSpec, LayoutKind
 from kvconnect.testing.prefill import PrefillProcess
+from tests.helpers import config_for_tests
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,7 +44,7 @@ def pairs_of_devices() -> list[tuple[str, str]]:
 def decoder(kind: LayoutKind, device: str, **config) -> KVConnector:
     torch.cuda.set_device(torch.device(device))
     cache = KVCache.allocate(spec(kind, 48), device=device)
-    return KVConnector(cache, connector_config({}, side_channel_host="127.0.0.1", **config))
+    return KVConnector(cache, config_for_tests(**config))
 
 
 @pytest.mark.parametrize("transport", ["nixl", "ipc"])
@@ -117,7 +117,7 @@ def test_attention_over_pulled_cache_matches_prefill_kv(transport: str) -> None:
 def test_heterogeneous_tp_groups_on_vram(case: str) -> None:
     """The multi-process TP-group pulls of tests/test_hetero_pull.py with every cache in VRAM: the staging
     scatter runs on the GPU; prefill ranks and decode ranks spread over the GPUs there are."""
-    from tests.test_hetero_pull import run_group
+    from tests.hetero_groups import run_group
 
     count = torch.cuda.device_count()
     stats = run_group(case, lambda side, rank: f"cuda:{(rank + (side == 'decode')) % count}")

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvconnect.core.config import connector_config
 from kvconnect.core.connector import KVConnector
 from kvconnect.testing.net import poll_until
 from kvconnect.testing.prefill import PrefillProcess
 from kvconnect.testing.vllm_shapes import make_views
 from kvconnect.vllm.layout import describe
+from tests.helpers import config_for_tests
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,7 +48,7 @@ def decode_side(shape: str, device: str, blocks: int = 48, seed: int = 0, **conf
         total_kv_heads=GEO["heads"],
         page="vllm:cuda",
     )
-    return views, d, KVConnector(d.cache, connector_config({}, side_channel_host="127.0.0.1", **config))
+    return views, d, KVConnector(d.cache, config_for_tests(**config))
 
 
 def start_prefill(shape: str, device: str, transport: str, seed: int = 5, **geo: int) -> PrefillProcess:
@@ -126,7 +126,7 @@ def test_flash_attention_reads_the_pulled_cache_in_place(transport: str, block_s
         d = describe(
             views, num_blocks=48, block_size=block_size, tp_size=1, tp_rank=0, total_kv_heads=H, page="vllm:cuda"
         )
-        with KVConnector(d.cache, connector_config({}, side_channel_host="127.0.0.1", transport=transport)) as dec:
+        with KVConnector(d.cache, config_for_tests(transport=transport)) as dec:
             dec.pull(pre.lease("fa", remote_ids), local_ids).wait(60)
         original = {rid: _pages(pre.ask("block", rid), L, block_size, H, D) for rid in remote_ids}
     finally:
