@@ -19,8 +19,16 @@ from kvconnect import CacheSpec, KVCache, KVConnector, KVTransferParams, LayoutK
 
 
 def cache_spec(device: str) -> CacheSpec:
-    return CacheSpec(kind=LayoutKind.CROSS_LAYER, dtype="float16", num_layers=4, num_blocks=64, block_size=16,
-                     num_kv_heads=2, head_dim=64, device=device)
+    return CacheSpec(
+        kind=LayoutKind.CROSS_LAYER,
+        dtype="float16",
+        num_layers=4,
+        num_blocks=64,
+        block_size=16,
+        num_kv_heads=2,
+        head_dim=64,
+        device=device,
+    )
 
 
 def prefill(pipe, device: str) -> None:
@@ -50,8 +58,10 @@ def main() -> int:
             handle = conn.pull(params, [0, 1, 2])
             stats = handle.wait(timeout_s=30)  # raises a kvconnect error if the pull failed
             same = [cache.block_bytes(b) for b in (0, 1, 2)] == expected
-            print(f"decode: pulled {stats.bytes} bytes from {params.remote_engine_id} in "
-                  f"{stats.num_descs_merged} descriptor(s), {stats.total_s * 1e3:.1f} ms; bytes equal: {same}")
+            print(
+                f"decode: pulled {stats.bytes} bytes from {params.remote_engine_id} in "
+                f"{stats.num_descs_merged} descriptor(s), {stats.total_s * 1e3:.1f} ms; bytes equal: {same}"
+            )
         mine.send("done")
     finally:
         proc.join(30)

@@ -46,8 +46,8 @@ case "$cmd" in
   demo) setup; exec "$VENV/bin/kvconnect" demo "$@" ;;
   lint)
     setup
-    "$VENV/bin/ruff" format --check kvconnect tests scripts docker/lock.py
-    "$VENV/bin/ruff" check kvconnect tests scripts
+    "$VENV/bin/ruff" format --check kvconnect tests scripts benchmarks examples docker/lock.py
+    "$VENV/bin/ruff" check kvconnect tests scripts benchmarks examples
     exec "$VENV/bin/mypy" kvconnect ;;
   test) setup; exec "$VENV/bin/python" -m pytest -q --durations=15 "$@" ;;
   *) echo "usage: $0 {demo|test|lint|setup} [args]" >&2; exit 2 ;;

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvconnect.testing.net import poll_until
+from kvconnect.harness.net import poll_until
 
 __all__ = ["poll_until"]  # (re-exported: the tests import their helpers from here)
 

@@ -13,8 +13,8 @@ import torch
 from kvconnect.core.hetero import plan_sources
 from kvconnect.core.layout import CacheSpec, LayoutKind
 from kvconnect.core.lease import new_lease_id
-from kvconnect.testing.net import free_port_run
-from kvconnect.testing.prefill import PrefillProcess, reference_kv
+from kvconnect.harness.net import free_port_run
+from kvconnect.harness.prefill import PrefillProcess, reference_kv
 from tests.faultkit import poll_until
 
 LAYERS, HEAD_DIM, TOKENS, SEED = 3, 8, 150, 11

@@ -8,9 +8,9 @@ Rooms and what each may import (besides itself and third-party libraries):
     engine                      -> core
     verdict                     -> core (the start-up transport probe)
     vllm                        -> core, the public API
-    testing                     -> core, vllm (its layout description), the public API
-    bench                       -> core, testing, the public API
-    serving                     -> core, engine, verdict, testing, the public API
+    harness                     -> core, vllm (its layout description), the public API
+    bench                       -> core, harness, the public API
+    serving                     -> core, engine, verdict, harness, the public API
     cli                         -> anything
 Nothing in the package (or scripts/) imports tests.
 """
@@ -32,10 +32,10 @@ ALLOWED = {
     "engine": {"core"},
     "verdict": {"core"},
     "vllm": {"core", "api"},
-    "testing": {"core", "vllm", "api"},
-    "bench": {"core", "testing", "api"},
-    "serving": {"core", "engine", "verdict", "testing", "api"},
-    "cli": {"core", "engine", "verdict", "vllm", "testing", "bench", "serving", "api"},
+    "harness": {"core", "vllm", "api"},
+    "bench": {"core", "harness", "api"},
+    "serving": {"core", "engine", "verdict", "harness", "api"},
+    "cli": {"core", "engine", "verdict", "vllm", "harness", "bench", "serving", "api"},
 }
 
 
@@ -154,7 +154,7 @@ def test_no_test_module_imports_another() -> None:
 
 
 def test_scripts_do_not_import_the_test_suite() -> None:
-    for path in sorted((ROOT / "scripts").glob("*.py")):
+    for path in sorted([*(ROOT / "scripts").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]):
         assert not any(name.startswith("tests") for name in imported(path)), path
 
 

@@ -45,7 +45,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from kvconnect.core.config import ConnectorConfig
-from kvconnect.testing.net import free_port
+from kvconnect.harness.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker" / "docker-compose.yml"

@@ -12,8 +12,8 @@ import pytest
 from kvconnect.core.cache import KVCache
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.layout import CacheSpec, LayoutKind
-from kvconnect.testing.net import poll_until
-from kvconnect.testing.prefill import PrefillProcess
+from kvconnect.harness.net import poll_until
+from kvconnect.harness.prefill import PrefillProcess
 from tests.helpers import config_for_tests
 
 SPEC = CacheSpec(
@@ -66,7 +66,7 @@ def test_drive_never_waits_for_a_tick_in_progress() -> None:
 def test_the_vllm_worker_side_drives_its_pulls_from_the_engine_thread() -> None:
     """The plug-in's worker drives the connector in `on_orders` and `results`: with the loop thread held, a
     load still finishes through vLLM's own step calls alone."""
-    from kvconnect.testing.vllm_shapes import packed_views
+    from kvconnect.harness.vllm_shapes import packed_views
     from kvconnect.vllm.metadata import PullOrder, StepOrders
     from kvconnect.vllm.worker import WorkerSide
 

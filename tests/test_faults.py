@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvconnect.harness.cluster import Cluster, complete
 from kvconnect.serving.server import LEASE_NOT_READABLE
-from kvconnect.testing.cluster import Cluster, complete
 from tests.faultkit import (
     decode_leg,
     health,
@@ -323,7 +323,7 @@ def test_without_confirmation_an_expired_lease_would_be_served() -> None:
     turned off, a pull of an expired, reused lease "succeeds" with someone else's bytes."""
     from kvconnect.core.errors import LeaseLostError
     from kvconnect.core.layout import LayoutKind
-    from kvconnect.testing.prefill import PrefillProcess
+    from kvconnect.harness.prefill import PrefillProcess
     from tests.helpers import decoder, spec
 
     pre = PrefillProcess.start(spec(LayoutKind.BLOCKS_FIRST))
@@ -353,8 +353,8 @@ def test_abandoned_read_lands_after_release_so_blocks_are_held_until_it_ends(mon
     monkeypatch.setenv("UCX_TLS", "tcp")  # both agents: cma would read the stopped process's memory anyway
     from kvconnect.core.errors import TransferTimeoutError
     from kvconnect.core.layout import LayoutKind
-    from kvconnect.testing.net import wait_stopped
-    from kvconnect.testing.prefill import PrefillProcess
+    from kvconnect.harness.net import wait_stopped
+    from kvconnect.harness.prefill import PrefillProcess
     from tests.helpers import decoder, spec
 
     pre = PrefillProcess.start(spec(LayoutKind.BLOCKS_FIRST, num_blocks=64), env={"UCX_TLS": "tcp"})
@@ -392,7 +392,7 @@ def test_pull_waiting_on_a_peer_that_moved_fails_instead_of_hanging() -> None:
     from kvconnect.core.errors import PeerGoneError
     from kvconnect.core.layout import LayoutKind
     from kvconnect.core.params import KVTransferParams
-    from kvconnect.testing.prefill import PrefillProcess
+    from kvconnect.harness.prefill import PrefillProcess
     from tests.helpers import decoder, spec
 
     pre = PrefillProcess.start(spec(LayoutKind.BLOCKS_FIRST), engine_id="moving")

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from kvconnect.core.layout import LayoutKind
-from kvconnect.testing.prefill import PrefillProcess
+from kvconnect.harness.prefill import PrefillProcess
 from tests.faultkit import poll_until
 from tests.helpers import config_for_tests
 from tests.hetero_groups import CASES, run_group, spec

@@ -13,7 +13,7 @@ from kvconnect.core.connector import KVConnector
 from kvconnect.core.errors import LeaseLostError
 from kvconnect.core.layout import CacheSpec, LayoutKind
 from kvconnect.core.lease import new_lease_id
-from kvconnect.testing.prefill import PrefillProcess
+from kvconnect.harness.prefill import PrefillProcess
 from tests.faultkit import poll_until
 from tests.helpers import config_for_tests
 

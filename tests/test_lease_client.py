@@ -19,8 +19,8 @@ from kvconnect.core.handshake import request
 from kvconnect.core.hetero import Source
 from kvconnect.core.layout import CacheSpec, LayoutKind
 from kvconnect.core.lease import new_lease_id
+from kvconnect.harness.net import free_port_run, poll_until
 from kvconnect.serving.proxy import Proxy
-from kvconnect.testing.net import free_port_run, poll_until
 
 IDS = [3, 5, 6]
 

@@ -40,7 +40,7 @@ import pytest
 
 from kvconnect.core.config import connector_config
 from kvconnect.core.errors import ConfigError
-from kvconnect.testing.cluster import complete
+from kvconnect.harness.cluster import complete
 
 pytestmark = pytest.mark.netns
 T = TypeVar("T")

@@ -25,7 +25,7 @@ from kvconnect.core.errors import (
 )
 from kvconnect.core.layout import LayoutKind
 from kvconnect.core.params import KVTransferParams
-from kvconnect.testing.prefill import PrefillProcess
+from kvconnect.harness.prefill import PrefillProcess
 from tests.faultkit import poll_until
 from tests.helpers import decoder, spec
 

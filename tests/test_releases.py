@@ -23,8 +23,8 @@ from kvconnect.core.layout import CacheSpec, LayoutKind
 from kvconnect.core.params import KVTransferParams
 from kvconnect.core.peers import MAX_STAGING_POOLS, Peer
 from kvconnect.core.pull import PinState, Pull
+from kvconnect.harness.prefill import PrefillProcess
 from kvconnect.serving.serve import exposure_warning
-from kvconnect.testing.prefill import PrefillProcess
 from tests.faultkit import poll_until
 from tests.helpers import config_for_tests
 

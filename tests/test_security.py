@@ -24,8 +24,8 @@ from kvconnect.core.errors import AuthError, InvalidRequestError, ProtocolError
 from kvconnect.core.handshake import request as side_request
 from kvconnect.core.handshake import zmq_address
 from kvconnect.core.params import parse_kv_transfer_params
+from kvconnect.harness.cluster import Cluster
 from kvconnect.serving import openai_api as api
-from kvconnect.testing.cluster import Cluster
 from tests.faultkit import decode_leg, health, idle, metric, poll_until, prefill_leg, reference
 
 SECRET = "kvconnect-test-secret"

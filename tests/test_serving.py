@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from kvconnect.testing.cluster import Cluster, complete
+from kvconnect.harness.cluster import Cluster, complete
 from tests.faultkit import health, poll_until, scrape
 
 # 50+ prompts: shorter than a block, exactly a block (16 tokens incl. BOS), many blocks, ragged.
@@ -220,7 +220,7 @@ if os.environ.get("KVCONNECT_SKIP_SLOW"):  # pragma: no cover
 def test_free_ports_come_from_below_the_kernels_ephemeral_range() -> None:
     """Servers of a test cluster bind ports picked earlier; a port from the ephemeral range can meanwhile be
     taken by any process's outgoing connection (seen: a worker exiting with uvicorn's startup failure)."""
-    from kvconnect.testing.net import LOW_PORT, _ephemeral_start, free_port
+    from kvconnect.harness.net import LOW_PORT, _ephemeral_start, free_port
 
     top = _ephemeral_start()
     ports = {free_port() for _ in range(20)}

@@ -34,8 +34,8 @@ import pytest
 import zmq
 
 from kvconnect.core.errors import KVConnectError
+from kvconnect.harness.cluster import Cluster
 from kvconnect.serving.server import LEASE_NOT_READABLE
-from kvconnect.testing.cluster import Cluster
 from tests.faultkit import health, idle, log_text, poll_until, scrape
 
 NUM_REQUESTS = int(os.environ.get("KVCONNECT_SOAK_REQUESTS", "200"))

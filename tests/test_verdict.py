@@ -14,7 +14,7 @@ import pytest
 
 from kvconnect.core.config import connector_config
 from kvconnect.core.errors import ConfigError
-from kvconnect.testing.net import free_port, poll_until
+from kvconnect.harness.net import free_port, poll_until
 from kvconnect.verdict.probe import calibrate, check_transport
 from kvconnect.verdict.ucx_tables import ProtoUse, parse_proto_tables, read_transports
 from tests.faultkit import scrape

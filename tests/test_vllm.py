@@ -22,9 +22,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM plug-in tests need vllm (the `vllm` extra)")
 
-from kvconnect.testing.net import poll_until, wait_stopped  # noqa: E402
-from kvconnect.testing.tiny_llama import TinyLlama, build, prompt_of  # noqa: E402
-from kvconnect.testing.vllm_cluster import Server, VllmCluster, generate, kvconnect_config  # noqa: E402
+from kvconnect.harness.net import poll_until, wait_stopped  # noqa: E402
+from kvconnect.harness.tiny_llama import TinyLlama, build, prompt_of  # noqa: E402
+from kvconnect.harness.vllm_cluster import Server, VllmCluster, generate, kvconnect_config  # noqa: E402
 from tests.faultkit import open_request, scrape  # noqa: E402
 
 TTL_S = 60.0  # long: a lease that ends sooner was released or read, not expired

@@ -18,8 +18,8 @@ from kvconnect.core.connector import KVConnector
 from kvconnect.core.errors import LayoutError, LayoutMismatchError
 from kvconnect.core.hetero import Path, plan_source, plan_sources
 from kvconnect.core.layout import LayoutKind
-from kvconnect.testing.prefill import PrefillProcess
-from kvconnect.testing.vllm_shapes import packed_views, split_views
+from kvconnect.harness.prefill import PrefillProcess
+from kvconnect.harness.vllm_shapes import packed_views, split_views
 from kvconnect.vllm.layout import describe
 from tests.helpers import config_for_tests
 from tests.oracle import plan as full_plan

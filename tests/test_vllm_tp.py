@@ -18,9 +18,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM plug-in tests need vllm (the `vllm` extra)")
 
-from kvconnect.testing.net import free_port_run  # noqa: E402
-from kvconnect.testing.tiny_llama import TinyLlama, build, prompt_of  # noqa: E402
-from kvconnect.testing.vllm_cluster import Server, VllmCluster, generate, kvconnect_config  # noqa: E402
+from kvconnect.harness.net import free_port_run  # noqa: E402
+from kvconnect.harness.tiny_llama import TinyLlama, build, prompt_of  # noqa: E402
+from kvconnect.harness.vllm_cluster import Server, VllmCluster, generate, kvconnect_config  # noqa: E402
 from tests.faultkit import scrape  # noqa: E402
 
 MAX_TOKENS = 4

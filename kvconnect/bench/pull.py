@@ -31,8 +31,8 @@ from kvconnect.core.errors import KVConnectError, TransferError
 from kvconnect.core.hetero import Source
 from kvconnect.core.lease import new_lease_id
 from kvconnect.core.pull import PullHandle, PullStats
-from kvconnect.testing.net import free_port_run
-from kvconnect.testing.prefill import PrefillProcess
+from kvconnect.harness.net import free_port_run
+from kvconnect.harness.prefill import PrefillProcess
 
 log = logging.getLogger(__name__)
 

@@ -39,9 +39,9 @@ import httpx
 import numpy as np
 
 from kvconnect.bench.ceiling import CopyCeiling
-from kvconnect.testing.net import free_port
-from kvconnect.testing.tiny_llama import TinyLlama, build
-from kvconnect.testing.vllm_cluster import Server, VllmCluster, connector_json
+from kvconnect.harness.net import free_port
+from kvconnect.harness.tiny_llama import TinyLlama, build
+from kvconnect.harness.vllm_cluster import Server, VllmCluster, connector_json
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from kvconnect.core.layout import LayoutKind
-from kvconnect.testing.cluster import Cluster, complete
+from kvconnect.harness.cluster import Cluster, complete
 
 PROMPTS = [
     "Hi",

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvconnect.testing.tiny_llama import TinyLlama, build, prompt_of
-from kvconnect.testing.vllm_cluster import Server, VllmCluster, generate, kvconnect_config
+from kvconnect.harness.tiny_llama import TinyLlama, build, prompt_of
+from kvconnect.harness.vllm_cluster import Server, VllmCluster, generate, kvconnect_config
 
 LENGTHS = [3, 40, 150, 333, 700, 1200]
 

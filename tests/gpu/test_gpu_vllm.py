@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from kvconnect.core.connector import KVConnector
-from kvconnect.testing.net import poll_until
-from kvconnect.testing.prefill import PrefillProcess
-from kvconnect.testing.vllm_shapes import make_views
+from kvconnect.harness.net import poll_until
+from kvconnect.harness.prefill import PrefillProcess
+from kvconnect.harness.vllm_shapes import make_views
 from kvconnect.vllm.layout import describe
 from tests.helpers import config_for_tests
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The GPU ladder of issue 5, on a 2-GPU host (one process per GPU): NIXL per layout, UCX stream
-# tuning, then the CUDA IPC gather, for Llama-3-8B and -70B shapes, scattered and contiguous ids.
-#   bash scripts/gpu_ladder.sh OUTDIR
+# The layout ladder on two GPUs of one host (one process per GPU): NIXL per layout, UCX stream tuning,
+# then the CUDA IPC gather, for Llama-3-8B and -70B shapes, scattered and contiguous ids.
+#   bash benchmarks/gpu_two_devices_layouts.sh OUTDIR
 set -uo pipefail
-out=${1:?usage: gpu_ladder.sh OUTDIR}
+out=${1:?usage: gpu_two_devices_layouts.sh OUTDIR}
 kv="python3 -m kvconnect.cli --log-level WARNING bench"
 common="--tokens 4096 --block-size 16 --layouts same --pattern scattered,contiguous --reps 10 --warmup 2 \
   --prefill-device cuda:0 --decode-device cuda:1 --no-progress"

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# GPU runs of the third session, on a 2-GPU host (prefill on cuda:0, decode on cuda:1):
-#  - issue 5: the 8B and 70B cross_layer rows again, now that a pull pins its lease as the READ is posted
-#    (total_ms is requested -> usable, so the confirmation round trip leaves it);
-#  - issue 8: heterogeneous pairs (TP 1:2 and 2:1, NHD/HND, decode block 64) in VRAM.
-#   bash scripts/gpu_session3.sh OUTDIR
+# Two GPUs of one host (prefill on cuda:0, decode on cuda:1):
+#  - the Llama-3-8B and -70B cross_layer rows with pinned leases (total_ms is requested -> usable: the
+#    confirmation round trip is not in it);
+#  - heterogeneous pairs (TP 1:2 and 2:1, NHD/HND, decode block 64) in VRAM.
+#   bash benchmarks/gpu_two_devices_pinned_hetero.sh OUTDIR
 set -uo pipefail
-out=${1:?usage: gpu_session3.sh OUTDIR}
+out=${1:?usage: gpu_two_devices_pinned_hetero.sh OUTDIR}
 kv="timeout 300 python3 -m kvconnect.cli --log-level WARNING bench"
 gpus="--prefill-device cuda:0 --decode-device cuda:1 --no-progress"
 pinned="--tokens 4096 --block-size 16 --layouts cross_layer --pattern scattered,contiguous --reps 10 --warmup 2 $gpus"

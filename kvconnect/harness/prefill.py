@@ -102,7 +102,7 @@ class _Server:
     def setup_views(self, shape: str, geometry: dict[str, Any], seed: int, port: int) -> tuple[int, str]:
         """Like `setup`, over tensors shaped as vLLM's backends allocate them (`vllm_shapes.make_views`),
         registered through the vLLM plug-in's `describe`."""
-        from kvconnect.testing.vllm_shapes import make_views
+        from kvconnect.harness.vllm_shapes import make_views
         from kvconnect.vllm.layout import describe
 
         self.close()

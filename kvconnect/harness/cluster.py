@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from kvconnect.testing.net import free_port, wait_stopped
+from kvconnect.harness.net import free_port, wait_stopped
 
 
 @dataclass

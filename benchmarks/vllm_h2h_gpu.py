@@ -1,6 +1,6 @@
 """GPU head-to-head: kvconnect's vLLM plug-in against vLLM's NixlConnector, P/D on one GPU, real request sizes.
 
-    python scripts/gpu_vllm_h2h.py OUT_DIR [--reps 4] [--lengths 512,1024,2048,4096]
+    python benchmarks/vllm_h2h_gpu.py OUT_DIR [--reps 4] [--lengths 512,1024,2048,4096]
 
 A Llama-3-8B-shaped model (32 layers, 8 KV heads x 128, bf16: 128 KiB of KV per token, 512 MiB at 4,096
 tokens) with vLLM's `--load-format dummy` (random weights from its config; a generated tokenizer), so
@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from kvconnect.bench.vllm_pd import SERIES, scrape_sums
-from kvconnect.testing.tiny_llama import TinyLlama, build
-from kvconnect.testing.vllm_cluster import Server, VllmCluster, connector_json, generate, kvconnect_config
+from kvconnect.harness.tiny_llama import TinyLlama, build
+from kvconnect.harness.vllm_cluster import Server, VllmCluster, connector_json, generate, kvconnect_config
 
 GPU_ARGS = ["--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", "8G", "--load-format", "dummy"]
 LLAMA3_8B = {

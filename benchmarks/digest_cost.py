@@ -1,7 +1,7 @@
 """What the KV digest (kv_digest) costs per pull: summing a request's blocks on one side, next to a plain copy
 of the same bytes on the same device (the ceiling every kvconnect benchmark prints).
 
-    python scripts/digest_cost.py [--device cuda] [--tokens 512,4096] [--reps 5]
+    python benchmarks/digest_cost.py [--device cuda] [--tokens 512,4096] [--reps 5]
 
 The cache is Llama-3-8B-shaped (32 layers, 8 KV heads of 128, bf16, 16-token blocks: 128 KiB per token),
 in each layout; the request's blocks are scattered over a cache twice its size. Prints, per layout and

@@ -1,7 +1,7 @@
 # ruff: noqa: B023, E501
 """Where the IPC gather's posting time goes (one process, both caches on one GPU; launch costs only).
 
-python3 scripts/gpu_post_profile.py
+python3 benchmarks/ipc_post_profile.py
 """
 
 import time
@@ -12,7 +12,7 @@ import torch
 from kvconnect.core.cache import KVCache
 from kvconnect.core.descriptors import PairPlan
 from kvconnect.core.layout import CacheSpec, LayoutKind
-from kvconnect.core.transports import ipc_gather as peer_copy
+from kvconnect.core.transports import ipc_gather
 
 
 def timed(fn, n=200):
@@ -41,8 +41,8 @@ for kind in (LayoutKind.CROSS_LAYER, LayoutKind.KV_FIRST):
     )
     src, dst = KVCache.allocate(spec), KVCache.allocate(spec)
     pair = PairPlan.build(spec, spec)
-    mapped = peer_copy.MappedPeer([], src.base_addrs())
-    g = peer_copy.IpcGather(mapped, pair, dst)
+    mapped = ipc_gather.MappedPeer([], src.base_addrs())
+    g = ipc_gather.IpcGather(mapped, pair, dst)
     rng = np.random.default_rng(0)
     lids, rids = rng.permutation(320)[:256], rng.permutation(320)[:256]
     loc, rem = pair.order_checked(lids, rids)

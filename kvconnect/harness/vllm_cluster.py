@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from kvconnect.testing.net import free_port, free_port_run
+from kvconnect.harness.net import free_port, free_port_run
 
 STARTUP_S = 420.0  # three engines starting together on two cores take ~45 s; leave room for a loaded CI box
 

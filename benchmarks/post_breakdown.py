@@ -1,6 +1,6 @@
 """Where a pull's time goes in the real two-process flow (prefill on cuda:0, decode on cuda:1).
 
-python3 scripts/gpu_post_breakdown.py [ipc|nixl]
+python3 benchmarks/post_breakdown.py [ipc|nixl]
 """
 
 import statistics
@@ -14,7 +14,7 @@ from kvconnect.core.cache import KVCache
 from kvconnect.core.config import connector_config
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.layout import CacheSpec, LayoutKind
-from kvconnect.testing.prefill import PrefillProcess
+from kvconnect.harness.prefill import PrefillProcess
 
 
 def main() -> None:

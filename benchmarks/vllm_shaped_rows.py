@@ -2,7 +2,7 @@
 4096 tokens = 256 blocks, 512 MiB) pulled between caches built as vLLM's GPU backends allocate them and
 registered through the vLLM plug-in's `describe` on both sides (prefill in its own process).
 
-    python3 scripts/gpu_vllm_rows.py [--reps 10] [--warmup 2] [--decode-device cuda:1]
+    python3 benchmarks/vllm_shaped_rows.py [--reps 10] [--warmup 2] [--decode-device cuda:1]
 
 Per row: 2 warm-up pulls, `reps` timed pulls of scattered block ids (a fresh draw each), the first timed pull's
 blocks checked byte for byte against the prefill's (a sample of 32 blocks: the full check runs in
@@ -23,8 +23,8 @@ import torch
 from kvconnect.bench.ceiling import CopyCeiling
 from kvconnect.core.config import connector_config
 from kvconnect.core.connector import KVConnector
-from kvconnect.testing.prefill import PrefillProcess
-from kvconnect.testing.vllm_shapes import make_views
+from kvconnect.harness.prefill import PrefillProcess
+from kvconnect.harness.vllm_shapes import make_views
 from kvconnect.vllm.layout import describe
 
 GEO = dict(layers=32, heads=8, tokens=16, head_dim=128)
@@ -104,7 +104,7 @@ def main() -> int:
     p.add_argument("--decode-device", default="cuda:0")
     p.add_argument("--transports", default="nixl,ipc")
     args = p.parse_args()
-    print("$ python3 scripts/gpu_vllm_rows.py " + " ".join(sys.argv[1:]))
+    print("$ python3 benchmarks/vllm_shaped_rows.py " + " ".join(sys.argv[1:]))
     print(
         f"{torch.cuda.get_device_name()}; {args.prefill_device} -> {args.decode_device}; 8B, 4096 tokens, "
         f"scattered ids, {args.reps} timed pulls after {args.warmup} warm-ups; medians"

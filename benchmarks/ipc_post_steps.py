@@ -1,7 +1,7 @@
 """Where the IPC gather's posting time goes in the real two-process flow (prefill on cuda:0, decode on
 cuda:1, Llama-3-8B cross_layer, 256 scattered blocks), plus the cost of one post alone.
 
-    python3 scripts/gpu_post_steps.py
+    python3 benchmarks/ipc_post_steps.py
 """
 
 import statistics
@@ -17,8 +17,8 @@ from kvconnect.core.config import connector_config
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.descriptors import PairPlan
 from kvconnect.core.layout import CacheSpec, LayoutKind
-from kvconnect.core.transports import ipc_gather as peer_copy
-from kvconnect.testing.prefill import PrefillProcess
+from kvconnect.core.transports import ipc_gather
+from kvconnect.harness.prefill import PrefillProcess
 
 steps: dict[str, list[float]] = defaultdict(list)
 
@@ -35,7 +35,7 @@ def timed(name, fn):
 
 
 def main() -> None:
-    peer_copy.IpcGather.post = timed("ipc.post", peer_copy.IpcGather.post)
+    ipc_gather.IpcGather.post = timed("ipc.post", ipc_gather.IpcGather.post)
     PairPlan.bounds_checked = timed("bounds_checked", PairPlan.bounds_checked)
     PairPlan.summary = timed("summary", PairPlan.summary)
     spec = CacheSpec(

@@ -1,6 +1,6 @@
 """GPU vLLM P/D on one GPU: kvconnect's plug-in against vLLM's NixlConnector on the same prompts.
 
-    python scripts/gpu_vllm_pd.py OUT_DIR [--prompts 16]
+    python benchmarks/vllm_pd_gpu.py OUT_DIR [--prompts 16]
 
 Starts, on the one GPU, an aggregated vLLM server, a prefill + decode pair with kvconnect's plug-in and a
 prefill + decode pair with vLLM's NixlConnector, each pair behind kvconnect's proxy (the same wire drives
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import httpx
 
-from kvconnect.testing.net import free_port
-from kvconnect.testing.tiny_llama import TinyLlama, build, prompt_of
-from kvconnect.testing.vllm_cluster import Server, VllmCluster, connector_json, generate, kvconnect_config
+from kvconnect.harness.net import free_port
+from kvconnect.harness.tiny_llama import TinyLlama, build, prompt_of
+from kvconnect.harness.vllm_cluster import Server, VllmCluster, connector_json, generate, kvconnect_config
 
 MAX_TOKENS = 8
 GPU_ARGS = ["--gpu-memory-utilization", "0.12", "--kv-cache-memory-bytes", "4G"]

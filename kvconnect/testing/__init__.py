@@ -1,2 +1,0 @@
-"""Support shared by the tests, the demo and the benchmark: a prefill worker in a process, a local cluster
-of worker processes, free ports and polling with deadlines."""
