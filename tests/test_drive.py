@@ -1,6 +1,6 @@
 """The engine's own thread drives the connector (`KVConnector.drive`): pulls are posted, polled and confirmed
 by whichever thread ticks, one tick at a time. Real NIXL between this process and a prefill process; the
-loop thread is held (`hold_loop`) so that only the driving thread can move a pull."""
+loop thread is held (`FaultHooks.hold_loop`) so that only the driving thread can move a pull."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from kvconnect.core.cache import KVCache
 from kvconnect.core.connector import KVConnector
+from kvconnect.core.faults import FaultHooks
 from kvconnect.core.layout import CacheSpec, LayoutKind
 from kvconnect.harness.net import poll_until
 from kvconnect.harness.prefill import PrefillProcess
@@ -35,12 +36,12 @@ def prefill():
 
 
 def decoder() -> KVConnector:
-    return KVConnector(KVCache.allocate(SPEC), config_for_tests())
+    return KVConnector(KVCache.allocate(SPEC), config_for_tests(), faults=FaultHooks())
 
 
 def test_a_driving_thread_completes_a_pull_while_the_loop_thread_is_held(prefill: PrefillProcess) -> None:
     params = prefill.lease("driven", [3, 7, 8])
-    with decoder() as dec, dec.hold_loop():
+    with decoder() as dec, dec.faults.hold_loop():
         handle = dec.pull(params, [0, 5, 6])
         ticks = []
         poll_until(lambda: ticks.append(dec.drive()) or handle.done(), what="the driven pull ended")
@@ -78,12 +79,12 @@ def test_the_vllm_worker_side_drives_its_pulls_from_the_engine_thread() -> None:
         pre.wait_setup()
         params = msgspec.to_builtins(pre.lease("worker-driven", [2, 9], 64))
         views, _ = packed_views("LBHNC", 2, 12, 2, 32, 32, seed=1)
-        worker = WorkerSide(config_for_tests(), tp_rank=0, total_kv_heads=2)
+        worker = WorkerSide(config_for_tests(), tp_rank=0, total_kv_heads=2, faults=FaultHooks())
         worker.register(views, num_blocks=12, block_size=32, tp_size=1, page="vllm:cpu-vec")
         conn = worker.connector
         assert conn is not None
         try:
-            with conn.hold_loop():
+            with conn.faults.hold_loop():
                 worker.on_orders(StepOrders(pulls=[PullOrder("worker-driven", params, [4, 1], 64, 0)], idle=True))
                 done = poll_until(lambda: worker.results(set())[1], what="the load was reported")
             assert done == {"worker-driven"} and not worker.load_errors()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvconnect.core.errors import LeaseError
+from kvconnect.core.faults import FaultHooks
 from kvconnect.core.lease import LeaseTable
 from kvconnect.core.protocol import LeaseState
 
@@ -166,8 +167,12 @@ def test_pin_reports_an_ended_lease_and_the_readers_release_drops_its_pin() -> N
     t.grant("b", [2])
     assert t.pin("b", reader=1, pin_s=5) is LeaseState.HELD
     assert t.release("b", reader=1) is LeaseState.RELEASED and freed == [1, 2]  # its own pin: freed at once
+    hooks = FaultHooks()
+    t = LeaseTable(
+        10.0, clock, lambda rid, ids: freed.extend(ids), tombstone_s=30.0, expire_read=hooks.take_read_expiry
+    )
     t.grant("c", [3])
-    t.expire_next_reads(1)
+    hooks.expire_next_reads(1)
     assert t.pin("c", 0, 5) is LeaseState.EXPIRED and freed == [1, 2, 3]  # fault injection hits the pin
 
 

@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import zmq
@@ -35,6 +35,7 @@ from kvconnect.core.config import ConnectorConfig, TransportChoice
 from kvconnect.core.decode import DecodeSide
 from kvconnect.core.digest import block_sums
 from kvconnect.core.errors import KVConnectError
+from kvconnect.core.faults import FaultHooks
 from kvconnect.core.handshake import SideChannelServer
 from kvconnect.core.lease import Lease, LeaseTable, new_lease_id
 from kvconnect.core.params import KVTransferParams, validate_block_ids
@@ -58,6 +59,7 @@ class KVConnector:
         on_pull_done: Callable[[PullStats, KVConnectError | None], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_lease_ended: Callable[[str, p.LeaseState], None] | None = None,
+        faults: FaultHooks | None = None,
     ) -> None:
         cache.verify()
         self.cache = cache
@@ -69,7 +71,13 @@ class KVConnector:
         self._on_blocks_freed = on_blocks_freed or (lambda ids: None)
         self._on_lease_ended = on_lease_ended or (lambda request_id, state: None)
         self._on_pull_done = on_pull_done
-        self._leases = LeaseTable(config.lease_ttl_s, clock, self._blocks_freed, grace_s=config.lease_grace_s)
+        self.faults = faults  # None unless fault injection was asked for (faults.py)
+        expire_read = faults.take_read_expiry if faults is not None else None
+        self._leases = LeaseTable(
+            config.lease_ttl_s, clock, self._blocks_freed, grace_s=config.lease_grace_s, expire_read=expire_read
+        )
+        if faults is not None:
+            faults.bind(self._leases.force_expire)
         # NIXL's UCX and ZMQ start threads of their own here: not on the cores an engine pinned this thread to
         with threads_started_on(io_cpus(config.loop_cpu_set)):
             self._agent = NixlAgent(
@@ -103,7 +111,6 @@ class KVConnector:
             os.set_blocking(self._wake_w, False)
             self._stop = threading.Event()
             self._tick_lock = threading.Lock()  # one tick at a time, on the loop thread or a driving thread
-            self._gate = threading.Lock()  # held by `hold_loop` (fault injection): the loop thread waits at it
             self._driven_until = 0.0  # until then a caller is driving: the loop thread leaves the ticks to it
             self._device_index = cache.regions[0].device.index if self.spec.device == "cuda" else None
             self._thread = threading.Thread(target=self._run, name=f"kvc-loop-{self.engine_id}", daemon=True)
@@ -160,13 +167,6 @@ class KVConnector:
 
     def held_leases(self) -> list[Lease]:  # copies (operator tooling, fault injection)
         return self._leases.held()
-
-    def expire_lease(self, lease_id: str, scrub: Callable[[list[int]], None] | None = None) -> p.LeaseState:
-        """Expire one lease now; `scrub(block_ids)` may overwrite its blocks before they are freed."""
-        return self._leases.force_expire(lease_id, scrub)
-
-    def expire_next_reads(self, count: int) -> None:  # (fault injection: lease.py)
-        self._leases.expire_next_reads(count)
 
     def _blocks_freed(self, lease: Lease, block_ids: list[int]) -> None:
         try:
@@ -250,6 +250,7 @@ class KVConnector:
             if self.config.transport is not TransportChoice.NIXL:
                 self._warm_up_gather()
         tick_ms = max(int(self.config.poll_interval_s * 1000), 1)
+        gate = self.faults.gate if self.faults is not None else contextlib.nullcontext()  # (faults.py)
         poller = zmq.Poller()
         poller.register(self._server.sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -264,7 +265,7 @@ class KVConnector:
                         pass
                 if self._server.sock not in ready and time.monotonic() < self._driven_until:
                     continue  # the driving thread ticks: a tick here would hold the lock while it waits for the GIL
-                with self._gate, self._tick_lock:
+                with gate, self._tick_lock:
                     if self._server.sock in ready:
                         self._server.poll(0)
                     self._tick()
@@ -308,13 +309,6 @@ class KVConnector:
         import torch
 
         return bool(torch.cuda.current_device() == self._device_index)
-
-    @contextlib.contextmanager
-    def hold_loop(self) -> Iterator[None]:
-        """Fault injection: the loop thread makes no tick while this is held (the side channel is not
-        served either); only `drive` moves work."""
-        with self._gate:
-            yield
 
     def _warm_up_gather(self) -> None:
         """Compile the IPC gather now (Triton needs a C compiler and Python headers at first use). If it

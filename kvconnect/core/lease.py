@@ -96,6 +96,7 @@ class LeaseTable:
         on_free: Callable[[Lease, list[int]], None],
         tombstone_s: float | None = None,
         grace_s: float = 0.0,
+        expire_read: Callable[[], bool] | None = None,
     ) -> None:
         if ttl_s <= 0:
             raise LeaseError(f"lease ttl must be positive, got {ttl_s}")
@@ -106,7 +107,7 @@ class LeaseTable:
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         self._holders: dict[int, int] = {}  # block id -> how many leases (held, or ended and pinned) hold it
-        self._expire_on_read = 0  # fault injection: see `expire_next_reads`
+        self._expire_read = expire_read or (lambda: False)  # fault injection (faults.py): this read fails
         self.grace_s = grace_s
         # request id -> (forget at, how many blocks it named, their digest): bounded whatever a peer sends
         self._early: dict[str, tuple[float, int, bytes]] = {}
@@ -212,14 +213,10 @@ class LeaseTable:
                 return self._ended_answer(lease, reader, token)
             if not self._claim(lease, reader, token):
                 return LeaseState.CONSUMED
-            if self._expire_on_read > 0:  # fault injection: as if the TTL ran out before the pin arrived
-                self._expire_on_read -= 1
-                injected = True
-            else:
+            if not self._expire_read():  # (fault injection, faults.py: as if the TTL ran out before the pin)
                 lease.pins[reader] = max(lease.pins.get(reader, 0.0), self._clock() + pin_s)
                 return LeaseState.HELD
-        if injected:
-            log.warning("lease %s expired as its read was pinned (fault injection)", lease.request_id)
+        log.warning("lease %s expired as its read was pinned (fault injection)", lease.request_id)
         return self._end(lease_id, LeaseState.EXPIRED)
 
     def unpin(self, lease_id: str, reader: int, token: bytes = b"") -> None:
@@ -257,8 +254,7 @@ class LeaseTable:
                     return lease.state
                 ended = lease.state  # ended while pinned: the pin kept the blocks, so the read was good
                 freeing, after_end = self._take_deferred(lease), True
-            elif not pinned and self._expire_on_read > 0:
-                self._expire_on_read -= 1
+            elif not pinned and self._expire_read():
                 injected = True
             elif readers > 1:
                 lease.readers_done = lease.readers_done | {reader}
@@ -325,7 +321,7 @@ class LeaseTable:
         return ended
 
     def force_expire(self, lease_id: str, scrub: Callable[[list[int]], None] | None = None) -> LeaseState:
-        """Expire one lease now (fault injection and operator tooling). `scrub(block_ids)` runs after the
+        """Expire one lease now (operator tooling; fault injection, faults.py). `scrub(block_ids)` runs after the
         lease has ended but before its blocks are freed, so it may overwrite them safely (only the blocks
         no other lease still holds)."""
         with self._lock:
@@ -334,11 +330,6 @@ class LeaseTable:
         if state is LeaseState.EXPIRED and lease is not None:
             log.warning("lease %s force-expired", lease.request_id)  # (its label: the id is a secret)
         return state
-
-    def expire_next_reads(self, count: int) -> None:
-        """Fault injection: the next `count` reads to finish find their lease expired (as if mid-read)."""
-        with self._lock:
-            self._expire_on_read = max(0, int(count))
 
     def _end(self, lease_id: str, how: LeaseState, scrub: Callable[[list[int]], None] | None = None) -> LeaseState:
         with self._lock:

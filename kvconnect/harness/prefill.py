@@ -127,12 +127,13 @@ class _Server:
 
         from kvconnect.core.config import connector_config
         from kvconnect.core.connector import KVConnector
+        from kvconnect.core.faults import FaultHooks
 
         if self.device.startswith("cuda"):
             torch.cuda.synchronize(torch.device(self.device))
         self.freed = []
         config = connector_config(None, **{**self.config, **({"side_channel_port": port} if port else {})})
-        self.connector = KVConnector(self.cache, config, on_blocks_freed=self.freed.extend)
+        self.connector = KVConnector(self.cache, config, on_blocks_freed=self.freed.extend, faults=FaultHooks())
         return self.connector.side_channel_port, self.connector.incarnation_id
 
     def handle(self, cmd: str, args: list[Any]) -> Any:
@@ -159,7 +160,8 @@ class _Server:
             state = conn.release(self.lease_id(args[0])).value
             return state, _wait_until(lambda: conn.snapshot().lease_blocks_held, lambda n: n == 0, RELEASE_WAIT_S)
         if cmd == "expire":
-            return conn.expire_lease(self.lease_id(args[0])).value
+            assert conn.faults is not None
+            return conn.faults.expire_lease(self.lease_id(args[0])).value
         if cmd == "held":
             return conn.snapshot().lease_blocks_held
         if cmd == "unknown":  # lease requests that named a lease not granted here

@@ -57,7 +57,11 @@ async def _body(request: Request) -> dict[str, Any]:
 
 
 def routes(connector: KVConnector, cache: KVCache) -> list[Route]:
-    """The admin routes over `connector`'s leases; `cache` is where poisoned blocks live."""
+    """The admin routes over `connector`'s leases (built with `FaultHooks`); `cache` is where poisoned blocks
+    live."""
+    hooks = connector.faults
+    if hooks is None:
+        raise RuntimeError("fault-injection routes need a connector built with FaultHooks")
 
     async def list_leases(request: Request) -> Response:
         now = time.monotonic()
@@ -86,7 +90,7 @@ def routes(connector: KVConnector, cache: KVCache) -> list[Route]:
                 poison_blocks(cache, blocks, seed)
 
             states = [
-                connector.expire_lease(x.lease_id, scrub if poison else None).value for x in held if x.request_id == rid
+                hooks.expire_lease(x.lease_id, scrub if poison else None).value for x in held if x.request_id == rid
             ]
             out[rid] = states[0] if states else "unknown"
         return JSONResponse({"expired": out})
@@ -96,7 +100,7 @@ def routes(connector: KVConnector, cache: KVCache) -> list[Route]:
             count = int((await _body(request)).get("count", 1))
         except (ValueError, TypeError) as e:
             return JSONResponse({"error": str(e)}, status_code=400)
-        connector.expire_next_reads(count)
+        hooks.expire_next_reads(count)
         return JSONResponse({"armed": count})
 
     return [

@@ -31,6 +31,7 @@ from kvconnect.core.config import (
 )
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.errors import InvalidRequestError, KVConnectError, LeaseLostError, LocalError
+from kvconnect.core.faults import FaultHooks
 from kvconnect.core.params import parse_kv_transfer_params
 from kvconnect.core.snapshot import ConnectorSnapshot
 from kvconnect.engine.config import EngineConfig
@@ -75,6 +76,7 @@ class Worker:
             conn_config,
             on_blocks_freed=self.engine.allocator.free,
             on_pull_done=self.metrics.on_pull_done,
+            faults=FaultHooks() if faults.enabled() else None,  # (the admin routes of faults.py need them)
         )
         self.metrics.bind(self._snapshot)
         self.block_size = engine_config.block_size

@@ -32,6 +32,7 @@ import torch
 from kvconnect.core.config import ConnectorConfig
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.errors import InvalidRequestError, KVConnectError
+from kvconnect.core.faults import FaultHooks
 from kvconnect.core.lease_client import release_after_failure
 from kvconnect.core.params import KVTransferParams, parse_kv_transfer_params
 from kvconnect.core.protocol import LeaseState
@@ -55,8 +56,11 @@ class _Load:
 
 
 class WorkerSide:
-    def __init__(self, config: ConnectorConfig, tp_rank: int, total_kv_heads: int) -> None:
+    def __init__(
+        self, config: ConnectorConfig, tp_rank: int, total_kv_heads: int, faults: FaultHooks | None = None
+    ) -> None:
         self._config = config
+        self._faults = faults  # (tests only: the vLLM connector never passes any)
         self._tp_rank = tp_rank
         self._total_kv_heads = total_kv_heads
         self.connector: KVConnector | None = None
@@ -83,7 +87,11 @@ class WorkerSide:
             page=page,
         )
         self.connector = KVConnector(
-            described.cache, self._config, on_pull_done=self._pull_done, on_lease_ended=self._lease_ended
+            described.cache,
+            self._config,
+            on_pull_done=self._pull_done,
+            on_lease_ended=self._lease_ended,
+            faults=self._faults,
         )
         spec = described.cache.spec
         first = next(iter(kv_caches.values()))

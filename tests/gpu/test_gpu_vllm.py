@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvconnect.core.connector import KVConnector
+from kvconnect.core.faults import FaultHooks
 from kvconnect.harness.net import poll_until
 from kvconnect.harness.prefill import PrefillProcess
 from kvconnect.harness.vllm_shapes import make_views
@@ -48,7 +49,7 @@ def decode_side(shape: str, device: str, blocks: int = 48, seed: int = 0, **conf
         total_kv_heads=GEO["heads"],
         page="vllm:cuda",
     )
-    return views, d, KVConnector(d.cache, config_for_tests(**config))
+    return views, d, KVConnector(d.cache, config_for_tests(**config), faults=FaultHooks())
 
 
 def start_prefill(shape: str, device: str, transport: str, seed: int = 5, **geo: int) -> PrefillProcess:
@@ -183,7 +184,7 @@ def test_a_driven_pull_of_a_vram_cache_completes_on_the_calling_thread(transport
     try:
         torch.cuda.set_device(torch.device(decode_dev))
         views, d, dec = decode_side("LBHNC", decode_dev, transport=transport)
-        with dec, dec.hold_loop():
+        with dec, dec.faults.hold_loop():
             request_id = f"d-{uuid.uuid4().hex[:8]}"
             handle = dec.pull(pre.lease(request_id, [7, 3, 50]), [0, 9, 2])
             ticks: list[bool] = []
@@ -211,7 +212,7 @@ def test_a_peer_first_met_inside_inference_mode_still_serves_the_loop_thread() -
         torch.cuda.set_device(torch.device(decode_dev))
         views, d, dec = decode_side("LBHNC", decode_dev, transport="ipc")
         with dec:
-            with dec.hold_loop(), torch.inference_mode():
+            with dec.faults.hold_loop(), torch.inference_mode():
                 first = dec.pull(pre.lease(f"im-{uuid.uuid4().hex[:8]}", [7, 3]), [0, 9])
                 poll_until(lambda: dec.drive() and first.done(), timeout_s=60, what="the driven pull")
                 first.wait(0)
