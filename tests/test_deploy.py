@@ -535,6 +535,43 @@ def test_vllm_overlays_run_vllm_with_the_plugin(kustomization: str) -> None:
     assert engine_ids == {"<KVCONNECT_ENGINE_ID>"}, "each pod's engine id is its pod name"
 
 
+def test_llm_d_overlay_puts_llm_ds_pd_sidecar_in_front_of_the_vllm_decode() -> None:
+    """deploy/overlays/llm-d: as llm-d deploys NixlConnector, with kvconnect's plug-in instead. The decode pod
+    runs llm-d's P/D sidecar (a native sidecar, `--connector=nixlv2`) on the port its Service targets, in front
+    of its vLLM on the port the sidecar forwards to (where the probes and the scrape go too); the prefill is
+    the vllm-gpu overlay's; llm-d's gateway routes, so kvconnect's proxy is not deployed."""
+    docs = kustomize(DEPLOY / "overlays" / "llm-d")
+    k8s_validate(docs)
+    deployments, services, configmaps = (
+        by_kind(docs, "Deployment"),
+        by_kind(docs, "Service"),
+        by_kind(docs, "ConfigMap"),
+    )
+    assert set(deployments) == {"kvconnect-prefill", "kvconnect-decode"} and "kvconnect" not in services
+    prefill, decode = (deployments[f"kvconnect-{r}"]["spec"]["template"] for r in ("prefill", "decode"))
+    assert "initContainers" not in prefill["spec"]
+    (sidecar,) = decode["spec"]["initContainers"]
+    (vllm,) = decode["spec"]["containers"]
+    assert sidecar["restartPolicy"] == "Always", "a native sidecar: it runs beside vLLM for the pod's life"
+    assert option(sidecar["args"], "--connector") == "nixlv2"  # llm-d's kv_transfer_params wire
+    assert sidecar["image"].rsplit(":", 1)[-1] not in ("", "latest") and sidecar["image"] != vllm["image"]
+    env = container_env(vllm, configmaps)
+    argv = [expand(a, env, "kvconnect-decode") for a in [*vllm["command"], *vllm["args"]]]
+    vllm_port = int(option(argv, "--port"))
+    sidecar_port = int(option(sidecar["args"], "--port"))
+    assert int(option(sidecar["args"], "--vllm-port")) == vllm_port != sidecar_port
+    assert [p["containerPort"] for p in vllm["ports"] if p["name"] == "http"] == [vllm_port]
+    assert [p["containerPort"] for p in sidecar["ports"]] == [sidecar_port]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert vllm[probe]["httpGet"]["port"] == "http", probe  # (vLLM's /health, on its own port)
+    assert int(decode["metadata"]["annotations"]["prometheus.io/port"]) == vllm_port
+    (port,) = services["kvconnect-decode"]["spec"]["ports"]
+    assert port["targetPort"] == sidecar_port, "requests for the decode pod go through its sidecar"
+    assert sidecar["securityContext"]["readOnlyRootFilesystem"] is True
+    kvt = check_kv_transfer_config(option(argv, "--kv-transfer-config"), "decode", "kvconnect-decode")
+    assert kvt["kv_role"] == "kv_consumer"
+
+
 @pytest.mark.parametrize("kustomization", VLLM_KUSTOMIZATIONS)
 def test_vllm_model_path_moves_the_mount(kustomization: str, tmp_path: Path) -> None:
     """MODEL_PATH in the overlay is the one place the model's location is set: the PVC's mount and vLLM's
@@ -555,7 +592,7 @@ def test_vllm_model_path_moves_the_mount(kustomization: str, tmp_path: Path) -> 
         assert mount["mountPath"] == "/data/llm/qwen" == model, name
 
 
-@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS + VLLM_KUSTOMIZATIONS)
+@pytest.mark.parametrize("kustomization", [*KUSTOMIZATIONS, *VLLM_KUSTOMIZATIONS, "overlays/llm-d"])
 def test_side_channel_secret_is_required(kustomization: str) -> None:
     """Every container whose side channel binds off loopback, and the proxy, read KVCONNECT_SECRET from the
     same Secret key, and the reference is not optional: without the Secret the pods do not start (instead of
