@@ -80,14 +80,16 @@ def test_the_vllm_worker_side_drives_its_pulls_from_the_engine_thread() -> None:
         params = msgspec.to_builtins(pre.lease("worker-driven", [2, 9], 64))
         views, _ = packed_views("LBHNC", 2, 12, 2, 32, 32, seed=1)
         worker = WorkerSide(config_for_tests(), tp_rank=0, total_kv_heads=2, faults=FaultHooks())
-        worker.register(views, num_blocks=12, block_size=32, tp_size=1, page="vllm:cpu-vec")
+        worker.register_kv_caches(views, num_blocks=12, block_size=32, tp_size=1, page="vllm:cpu-vec")
         conn = worker.connector
         assert conn is not None
         try:
             with conn.faults.hold_loop():
-                worker.on_orders(StepOrders(pulls=[PullOrder("worker-driven", params, [4, 1], 64, 0)], idle=True))
-                done = poll_until(lambda: worker.results(set())[1], what="the load was reported")
-            assert done == {"worker-driven"} and not worker.load_errors()
+                worker.bind_connector_metadata(
+                    StepOrders(pulls=[PullOrder("worker-driven", params, [4, 1], 64, 0)], idle=True)
+                )
+                done = poll_until(lambda: worker.transfer_results(set())[1], what="the load was reported")
+            assert done == {"worker-driven"} and not worker.get_block_ids_with_load_errors()
             for local, remote in zip([4, 1], [2, 9], strict=True):
                 assert conn.cache.block_bytes(local) == pre.ask("block", remote)
         finally:

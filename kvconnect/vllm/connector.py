@@ -16,7 +16,7 @@ each delegates to its half (`scheduler.py`, `worker.py`). Hooks left at the base
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import vllm
@@ -36,12 +36,21 @@ from kvconnect.vllm.settings import rank_config, read_settings
 from kvconnect.vllm.stats import KVConnectPromMetrics, KVConnectStats
 from kvconnect.vllm.worker import WorkerSide
 
+if TYPE_CHECKING:  # vLLM's own types, for readers and mypy (never imported at run time: they move between releases)
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
 log = logging.getLogger(__name__)
 
 API = detect(vllm_base)  # what this vLLM's connector interface offers (compat.py)
 
 
-def _page_format(vllm_config: Any, dtype: torch.dtype, head_size: int) -> str:
+def _page_format(vllm_config: VllmConfig, dtype: torch.dtype, head_size: int) -> str:
     """Names what one page holds inside, so that only peers with the same format exchange pages (the CPU
     attention backend lays a page out per instruction set)."""
     device = vllm_config.device_config.device_type
@@ -73,9 +82,11 @@ def _log_to_stderr() -> None:
 
 
 class KVConnectConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
         check_version(getattr(vllm, "__version__", ""))
-        super().__init__(vllm_config, role, kv_cache_config)
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]  # (None: an older caller)
         _log_to_stderr()
         self._settings = read_settings(vllm_config)
         self._scheduler: SchedulerSide | None = None
@@ -92,7 +103,7 @@ class KVConnectConnector(KVConnectorBase_V1):
 
     # --- worker side -------------------------------------------------------------------------------
 
-    def _w(self) -> WorkerSide:
+    def _worker_side(self) -> WorkerSide:
         assert self._worker is not None, "a worker hook was called on the scheduler's connector"
         return self._worker
 
@@ -100,43 +111,47 @@ class KVConnectConnector(KVConnectorBase_V1):
         first = next(iter(kv_caches.values()))
         page = _page_format(self._vllm_config, first.dtype, self._model.get_head_size())
         num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else first.shape[0]
-        self._w().register(kv_caches, num_blocks, self._settings.block_size, self._settings.tp_size, page)
+        self._worker_side().register_kv_caches(
+            kv_caches, num_blocks, self._settings.block_size, self._settings.tp_size, page
+        )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, StepOrders):
-            self._w().on_orders(connector_metadata)
+            self._worker_side().bind_connector_metadata(connector_metadata)
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         return None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
         return None
 
     def wait_for_save(self) -> None:
         return None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving, _ = self._w().results(finished_req_ids)
+        sending, recving, _ = self._worker_side().transfer_results(finished_req_ids)
         return sending or None, recving or None
 
     if API.transfer_results:  # vLLM 0.32+: sends, receives and failed receives in one report
 
         def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-            sending, recving, failed = self._w().results(finished_req_ids)
+            sending, recving, failed = self._worker_side().transfer_results(finished_req_ids)
             return vllm_base.KVConnectorTransferResults(sending, recving, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._w().load_errors()
+        return self._worker_side().get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self) -> KVConnectStats | None:
         return self._worker.stats() if self._worker is not None else None
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        return self._w().hello()
+        return self._worker_side().get_handshake_metadata()
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -144,29 +159,31 @@ class KVConnectConnector(KVConnectorBase_V1):
 
     # --- scheduler side ----------------------------------------------------------------------------
 
-    def _s(self) -> SchedulerSide:
+    def _scheduler_side(self) -> SchedulerSide:
         assert self._scheduler is not None, "a scheduler hook was called on a worker's connector"
         return self._scheduler
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._s().matched_tokens(request, num_computed_tokens)
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self._s().allocated(request, blocks, num_external_tokens)
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return self._s().step_orders(int(getattr(scheduler_output, "total_num_scheduled_tokens", 1)))
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler_side().build_connector_meta(
+            int(getattr(scheduler_output, "total_num_scheduled_tokens", 1))
+        )
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._s().finished(request, block_ids)
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side().request_finished(request, block_ids)
 
     def set_xfer_handshake_metadata(self, metadata: dict[Any, KVConnectorHandshakeMetadata]) -> None:
-        self._s().workers_said(metadata)
+        self._scheduler_side().set_xfer_handshake_metadata(metadata)
 
     # --- any process -------------------------------------------------------------------------------
 
     @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return None  # any layout whose pages are contiguous (layout.py) works; vLLM's choice stands
 
     @classmethod

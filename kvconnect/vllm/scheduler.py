@@ -17,7 +17,7 @@ failure policy applies.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from vllm.v1.request import RequestStatus
@@ -26,6 +26,10 @@ from kvconnect.core.lease import new_lease_id
 from kvconnect.core.params import KVTransferParams
 from kvconnect.vllm.metadata import LeaseOrder, PullOrder, StepOrders, WorkerHello
 from kvconnect.vllm.settings import VllmSettings
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +42,7 @@ class SchedulerSide:
         self._orders = StepOrders()
         self._hello: dict[int, WorkerHello] = {}  # by TP rank
 
-    def workers_said(self, hello: dict[Any, Any]) -> None:
+    def set_xfer_handshake_metadata(self, hello: dict[Any, Any]) -> None:
         """The workers' start-up hellos, keyed by (pp_rank, tp_rank) or tp_rank."""
         for value in hello.values():
             if isinstance(value, WorkerHello):
@@ -48,7 +52,7 @@ class SchedulerSide:
 
     # --- decode ------------------------------------------------------------------------------------
 
-    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens to load from the remote prefill (asynchronously), beyond the local prefix-cache hit."""
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
@@ -56,7 +60,7 @@ class SchedulerSide:
         count = request.num_prompt_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
@@ -78,12 +82,12 @@ class SchedulerSide:
 
     # --- both --------------------------------------------------------------------------------------
 
-    def step_orders(self, num_scheduled_tokens: int) -> StepOrders:
+    def build_connector_meta(self, num_scheduled_tokens: int) -> StepOrders:
         orders, self._orders = self._orders, StepOrders()
         orders.idle = num_scheduled_tokens == 0 and not (orders.leases or orders.pulls or orders.releases)
         return orders
 
-    def finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
         if not params:
             return False, None

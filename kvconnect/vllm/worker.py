@@ -74,7 +74,7 @@ class WorkerSide:
         self._changed = threading.Event()  # set when a lease ends or a pull finishes
         self._idle = False
 
-    def register(
+    def register_kv_caches(
         self, kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size: int, tp_size: int, page: str
     ) -> None:
         described = describe(
@@ -112,7 +112,7 @@ class WorkerSide:
             self.connector.side_channel_port,
         )
 
-    def hello(self) -> WorkerHello:
+    def get_handshake_metadata(self) -> WorkerHello:
         conn = self._require()
         return WorkerHello(self._tp_rank, conn.side_channel_port, conn.incarnation_id)
 
@@ -123,7 +123,7 @@ class WorkerSide:
 
     # --- orders ------------------------------------------------------------------------------------
 
-    def on_orders(self, orders: StepOrders) -> None:
+    def bind_connector_metadata(self, orders: StepOrders) -> None:
         conn = self._require()
         self._idle = orders.idle
         for lease in orders.leases:
@@ -192,7 +192,7 @@ class WorkerSide:
 
     # --- results -----------------------------------------------------------------------------------
 
-    def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
         conn = self.connector
         if conn is not None and (self._loads or self._leased):
@@ -227,7 +227,7 @@ class WorkerSide:
         self._leased -= sending
         return sending, recving, failed
 
-    def load_errors(self) -> set[int]:
+    def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
