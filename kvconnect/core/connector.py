@@ -39,7 +39,7 @@ from kvconnect.core.faults import FaultHooks
 from kvconnect.core.handshake import SideChannelServer
 from kvconnect.core.lease import Lease, LeaseTable, new_lease_id
 from kvconnect.core.params import KVTransferParams, validate_block_ids
-from kvconnect.core.peers import PeerSet
+from kvconnect.core.peers import PeerSet, TransportFactory
 from kvconnect.core.prefill import PrefillSide, peer_info
 from kvconnect.core.pull import Pull, PullHandle, PullStats
 from kvconnect.core.snapshot import ConnectorSnapshot, Counters
@@ -60,6 +60,7 @@ class KVConnector:
         clock: Callable[[], float] = time.monotonic,
         on_lease_ended: Callable[[str, p.LeaseState], None] | None = None,
         faults: FaultHooks | None = None,
+        transports: TransportFactory | None = None,
     ) -> None:
         cache.verify()
         self.cache = cache
@@ -98,7 +99,7 @@ class KVConnector:
             self.side_channel_port = self._server.port
             self._ipc_problem = ""  # why the IPC gather cannot run here ("" = it can, as far as we know)
             self._decode = DecodeSide(
-                PeerSet(self._agent, cache, config, self._ctx, secret, lambda: self._ipc_problem),
+                PeerSet(self._agent, cache, config, self._ctx, secret, lambda: self._ipc_problem, transports),
                 cache,
                 config,
                 self.engine_id,

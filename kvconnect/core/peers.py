@@ -35,6 +35,9 @@ if TYPE_CHECKING:
     from kvconnect.core.pull import Pull
 
 log = logging.getLogger(__name__)
+# the transport for a peer that is otherwise ready, or None for kvconnect's own choice (IPC gather or NIXL):
+# how tests put a fake in-memory transport behind the same state machine (tests/fake_transport.py)
+TransportFactory = Callable[["Peer", p.PeerInfo, PairPlan], "Transport | None"]
 MAX_STAGING_POOLS = 4  # staging caches (one per remote shape, up to staging_mb each) a decode allocates at most
 
 
@@ -78,8 +81,10 @@ class PeerSet:
         ctx: zmq.Context,
         secret: bytes,
         ipc_problem: Callable[[], str] = lambda: "",
+        make_transport: TransportFactory | None = None,
     ) -> None:
         self._agent = agent
+        self._make_transport = make_transport
         self._ipc_problem = ipc_problem
         self._cache = cache
         self._config = config
@@ -172,7 +177,9 @@ class PeerSet:
             MemKind.for_device(info.spec.device),
         )
         local_list = self._local_list(plan)
-        peer.transport = self._same_host_transport(peer, info, plan.pair) if plan.path is Path.BLOCK else None
+        peer.transport = self._make_transport(peer, info, plan.pair) if self._make_transport is not None else None
+        if peer.transport is None and plan.path is Path.BLOCK:
+            peer.transport = self._same_host_transport(peer, info, plan.pair)
         if peer.transport is None:
             peer.transport = NixlRead(self._agent, plan.pair, local_list, remote_list)
 

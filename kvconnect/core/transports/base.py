@@ -29,6 +29,7 @@ from kvconnect.core.descriptors import PullPlan
 class TransportKind(str, enum.Enum):
     NIXL = "nixl"  # one NIXL READ over prepared descriptor lists
     IPC = "ipc"  # same-host GPUs: the peer's cache mapped with CUDA IPC, one gather kernel
+    MEMORY = "memory"  # a copy between two caches of one process (tests: a transport the test drives)
 
 
 class Posted(abc.ABC):

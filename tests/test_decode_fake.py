@@ -1,0 +1,121 @@
+"""The decode state machine over a fake in-memory transport (tests/fake_transport.py): two real connectors
+in this process (side channels, handshakes, lease tables, pins, confirmations, digests), and a data path the
+test holds, fails or cuts. What tests/test_pull.py shows over real NIXL between processes, here in
+milliseconds, including what is hard to make NIXL do on cue."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+
+from kvconnect.core.cache import KVCache
+from kvconnect.core.connector import KVConnector
+from kvconnect.core.errors import LeaseLostError, PeerGoneError, TransferError, TransferTimeoutError
+from kvconnect.core.faults import FaultHooks
+from kvconnect.core.layout import LayoutKind
+from tests.fake_transport import Wire
+from tests.faultkit import poll_until
+from tests.helpers import config_for_tests, spec
+
+
+@pytest.fixture(scope="module")
+def prefill() -> Iterator[KVConnector]:
+    cache = KVCache.allocate(spec(LayoutKind.CROSS_LAYER))
+    cache.fill_pattern(7)
+    with KVConnector(cache, config_for_tests(), faults=FaultHooks()) as conn:
+        yield conn
+
+
+@pytest.fixture
+def wire(prefill: KVConnector) -> Wire:
+    w = Wire()
+    w.serve(prefill._peer_info.agent_name, prefill.cache)
+    return w
+
+
+def decoder(wire: Wire, kind: LayoutKind = LayoutKind.BLOCKS_FIRST, **config) -> KVConnector:
+    cache = KVCache.allocate(spec(kind, 32))
+    return KVConnector(cache, config_for_tests(**config), transports=wire.factory(cache))
+
+
+def rid() -> str:
+    return f"fake-{uuid.uuid4().hex[:8]}"
+
+
+def test_a_pull_over_the_fake_wire_is_byte_exact_confirmed_and_digest_checked(prefill, wire) -> None:
+    request_id = rid()
+    params = prefill.lease(request_id, [3, 9, 4], 40)
+    with decoder(wire) as dec:
+        stats = dec.pull(params, [0, 1, 2]).wait(10)
+        assert [dec.cache.block_bytes(b) for b in (0, 1, 2)] == [prefill.cache.block_bytes(b) for b in (3, 9, 4)]
+        assert stats.transport == "memory" and stats.digest_s > 0
+    poll_until(  # by the decode's confirmation (under a held pin it is sent, not awaited)
+        lambda: prefill.lease_state(params.remote_lease_id).value == "completed", what="lease completed"
+    )
+
+
+def test_a_transfer_that_never_ends_fails_by_its_deadline_and_its_blocks_wait_until_it_lands(prefill, wire) -> None:
+    wire.hold = True
+    params = prefill.lease(rid(), [5, 6], 32)
+    with decoder(wire, pull_timeout_s=0.3) as dec:
+        handle = dec.pull(params, [7, 8])
+        with pytest.raises(TransferTimeoutError):
+            handle.wait(10)
+        assert not handle.settled()  # the READ may still write into blocks 7 and 8: not to be reused yet
+        poll_until(lambda: prefill.lease_state(params.remote_lease_id).value == "released", what="lease released")
+        wire.land()  # ... and it does, after the pull was given up
+        poll_until(handle.settled, what="the abandoned transfer ended")
+        assert dec.cache.block_bytes(7) == prefill.cache.block_bytes(5)
+
+
+def test_a_transfer_ending_in_err_fails_the_pull_and_releases_the_lease(prefill, wire) -> None:
+    wire.fail = 1
+    params = prefill.lease(rid(), [10], 16)
+    with decoder(wire) as dec:
+        with pytest.raises(TransferError, match="reported ERR"):
+            dec.pull(params, [0]).wait(10)
+        assert dec.snapshot().pull_failures == {"TransferError": 1}
+    poll_until(lambda: prefill.lease_state(params.remote_lease_id).value == "released", what="lease released")
+
+
+def test_a_peer_lost_mid_transfer_fails_the_pull_and_the_next_pull_handshakes_again(prefill, wire) -> None:
+    wire.hold = True
+    with decoder(wire) as dec:
+        handle = dec.pull(prefill.lease(rid(), [11], 16), [0])
+        poll_until(lambda: wire.posted, what="the transfer posted")
+        wire.gone = True
+        with pytest.raises(PeerGoneError):
+            handle.wait(10)
+        wire.gone, wire.hold = False, False
+        dec.pull(prefill.lease(rid(), [12], 16), [1]).wait(10)
+        assert dec.snapshot().handshakes == 2 and dec.cache.block_bytes(1) == prefill.cache.block_bytes(12)
+
+
+def test_params_replayed_to_a_second_decode_are_refused_as_consumed(prefill, wire) -> None:
+    params = prefill.lease(rid(), [13, 14], 32)
+    with decoder(wire) as first:
+        first.pull(params, [0, 1]).wait(10)
+    with decoder(wire) as second:
+        with pytest.raises(LeaseLostError, match="consumed"):
+            second.pull(params, [0, 1]).wait(10)
+
+
+@pytest.mark.parametrize("pin_reads", [True, False], ids=["pinned", "confirmed"])
+def test_a_lease_that_ended_before_the_read_is_never_used(prefill, wire, pin_reads: bool) -> None:
+    params = prefill.lease(rid(), [15, 16], 32)
+    assert prefill.faults is not None
+    prefill.faults.expire_lease(params.remote_lease_id)
+    with decoder(wire, pin_reads=pin_reads) as dec:
+        with pytest.raises(LeaseLostError, match="expired"):
+            dec.pull(params, [2, 3]).wait(10)
+
+
+def test_params_from_another_incarnation_fail_as_a_restart(prefill, wire) -> None:
+    params = msgspec.structs.replace(prefill.lease(rid(), [17], 16), remote_incarnation_id="f" * 32)
+    with decoder(wire) as dec:
+        with pytest.raises(LeaseLostError, match="restarted"):
+            dec.pull(params, [0]).wait(10)
+    prefill.release(params.remote_lease_id)
