@@ -236,6 +236,7 @@ def test_bad_transfer_params_get_400_naming_the_field_and_nothing_is_read(
     r = decode_leg(urls["decode"], PROMPT, bad, MAX_TOKENS, rid)
     assert r["status"] == 400, r  # refused, not recomputed, although this decode worker recomputes failures
     assert r["param"] == field, r
+    assert health(urls["prefill"])["engine_id"] not in r["error"], r  # (a wrong engine id never learns the real one)
     assert read() == before  # nothing was read, no lease completed
     poll_until(lambda: idle(urls["decode"]), what="decode blocks freed")
     ctx = zmq.Context()  # clean up a lease the request did not name well enough for the decode to release
