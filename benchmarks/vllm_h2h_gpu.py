@@ -59,7 +59,16 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--lengths", default="512,1024,2048,4096")
+    ap.add_argument("--connectors", default="nixl,kvconnect", help="which pairs to start and measure, in order")
+    ap.add_argument(
+        "--kvconnect-extra",
+        default="{}",
+        help="kvconnect's kv_connector_extra_config (JSON), e.g. "
+        "'{\"cross_layer_blocks\": true}' (vLLM 0.26: one KV tensor for every layer)",
+    )
     args = ap.parse_args()
+    names = args.connectors.split(",")
+    extra = json.loads(args.kvconnect_extra)
     lengths = [int(x) for x in args.lengths.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     model = build(args.out / "model", TinyLlama.named("tiny"))  # its tokenizer; the geometry below
@@ -68,8 +77,8 @@ def main() -> None:
     vocab = int(cfg["vocab_size"])
     t0 = time.monotonic()
     servers = [
-        Server("kvconnect-prefill", kvconnect_config("kv_producer"), args=GPU_ARGS),
-        Server("kvconnect-decode", kvconnect_config("kv_consumer"), args=GPU_ARGS),
+        Server("kvconnect-prefill", kvconnect_config("kv_producer", extra), args=GPU_ARGS),
+        Server("kvconnect-decode", kvconnect_config("kv_consumer", extra), args=GPU_ARGS),
         Server(
             "nixl-prefill",
             connector_json("NixlConnector", "kv_producer"),
@@ -83,10 +92,11 @@ def main() -> None:
             env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "25700"},
         ),
     ]
+    servers = [s for s in servers if s.name.split("-")[0] in names]
     rng = random.Random(7)
     rows = []
     with VllmCluster(str(model), servers, str(args.out / "logs"), block_size=16, max_model_len=8192) as c:
-        print(f"4 servers healthy after {time.monotonic() - t0:.0f} s", flush=True)
+        print(f"{len(servers)} servers healthy after {time.monotonic() - t0:.0f} s", flush=True)
 
         def one(name: str, n: int) -> dict[str, float]:
             prompt = [rng.randrange(10, vocab) for _ in range(n)]
@@ -108,11 +118,11 @@ def main() -> None:
             out["ttft_s"] = got["ttft_s"]
             return out
 
-        for name in ("nixl", "kvconnect"):
+        for name in names:
             for _ in range(2):
                 one(name, 256)
         for n in lengths:
-            for name in ("nixl", "kvconnect"):
+            for name in names:
                 for rep in range(args.reps):
                     r = one(name, n)
                     r.update(connector=name, tokens=n, rep=rep)
@@ -120,7 +130,7 @@ def main() -> None:
                     print(json.dumps(r), flush=True)
     table = []
     for n in lengths:
-        for name in ("nixl", "kvconnect"):
+        for name in names:
             rs = [r for r in rows if r["tokens"] == n and r["connector"] == name and r["bytes"] > 0]
             if not rs:
                 table.append({"tokens": n, "connector": name, "error": "no transfer seen in /metrics"})

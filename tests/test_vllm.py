@@ -295,6 +295,10 @@ def test_the_plugin_refuses_a_bad_setting_naming_it(tmp_path: Path, monkeypatch:
             self.cache_config = type("C", (), {"block_size": 32})()
 
     assert read_settings(Cfg({"lease_ttl_s": 5})).config.lease_ttl_s == 5
+    assert read_settings(Cfg({"cross_layer_blocks": True})).cross_layer_blocks  # (the plug-in's own key)
+    assert not read_settings(Cfg({})).cross_layer_blocks
+    with pytest.raises(ConfigError, match="cross_layer_blocks"):
+        read_settings(Cfg({"cross_layer_blocks": "maybe"}))
     with pytest.raises(ConfigError, match="unknown key.*'lease_tll_s'"):
         read_settings(Cfg({"lease_tll_s": 5}))
     with pytest.raises(ConfigError, match="engine_id"):

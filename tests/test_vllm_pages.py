@@ -89,6 +89,45 @@ def test_compact_layouts_are_described_from_their_strides(order: str, kind: Layo
         assert any(lo <= first and last <= hi for lo, hi in regions)
 
 
+class FlashAttnLike:
+    """What vLLM 0.26's FLASH_ATTN backend says of its cross-layer tensor: logical (L, B, H, N, 2*D), laid out
+    (B, L, N, H, 2*D) with NHD, (B, H, L, N, 2*D) with HND (`get_kv_cache_stride_order`)."""
+
+    def __init__(self, order: tuple[int, ...]) -> None:
+        self.order = order
+
+    def get_kv_cache_stride_order(self, include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        assert include_num_layers_dimension
+        return self.order
+
+
+@pytest.mark.parametrize(("order", "kind"), [((1, 0, 3, 2, 4), LayoutKind.CROSS_LAYER), ((1, 2, 0, 3, 4), None)])
+def test_vllms_cross_layer_tensor_is_described_as_one_region_from_its_views(order, kind) -> None:
+    """vLLM 0.26 with `prefer_cross_layer_blocks` allocates one tensor for every layer, in the backend's order,
+    and hands the plug-in that tensor (`register_cross_layers_kv_cache`): its per-layer views, undone from
+    that order, describe one cross_layer region with NHD (a block's layers side by side: one descriptor per
+    block for every layer); with HND the heads are outside the layers and a block is not one run: refused."""
+    from kvconnect.vllm.layout import cross_layer_views
+
+    layers, blocks, heads, tokens, content = 3, 8, 2, 16, 2 * 32
+    logical = (layers, blocks, heads, tokens, content)
+    physical = torch.arange(np.prod(logical), dtype=torch.float32).to(torch.bfloat16)
+    tensor = physical.view(tuple(logical[i] for i in order))
+    views = cross_layer_views(tensor, FlashAttnLike(order))
+    assert list(views) == [f"cross_layer.{i}" for i in range(layers)]
+    assert all(tuple(v.shape) == (blocks, heads, tokens, content) for v in views.values())
+    args = dict(num_blocks=blocks, block_size=tokens, tp_size=1, tp_rank=0, total_kv_heads=heads, page="vllm:cuda")
+    if kind is None:
+        with pytest.raises(LayoutError):
+            describe(views, **args)
+        return
+    d = describe(views, **args)
+    assert d.cache.spec.kind is kind and len(d.cache.regions) == 1
+    assert d.cache.base_addrs()[0] == tensor.data_ptr()  # the engine's own memory, no copy
+    for block in (0, 5):  # a block is every layer's page, layer after layer, as vLLM laid them out
+        assert d.cache.block_bytes(block) == tensor[block].contiguous().view(torch.uint8).numpy().tobytes()
+
+
 @pytest.mark.parametrize("order", ["LHBNC", "BHLNC"])
 def test_layouts_that_split_a_page_are_refused_naming_why(order: str) -> None:
     with pytest.raises(LayoutError, match="not one contiguous run"):

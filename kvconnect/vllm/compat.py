@@ -67,7 +67,11 @@ def detect(base: ModuleType) -> ConnectorApi:
 
 
 # hooks the plug-in defines only where the running vLLM has them: hook -> the ConnectorApi flag
-OPTIONAL_HOOKS = {"get_transfer_results": "transfer_results"}
+OPTIONAL_HOOKS = {
+    "get_transfer_results": "transfer_results",
+    "prefer_cross_layer_blocks": "cross_layer_blocks",
+    "register_cross_layers_kv_cache": "cross_layer_blocks",
+}
 
 
 def hooks_of_source(source: str) -> tuple[set[str], dict[str, list[str]]]:

@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvconnect.core.config import env_choice
 from kvconnect.vllm.compat import check_version, detect
+from kvconnect.vllm.layout import cross_layer_views
 from kvconnect.vllm.metadata import StepOrders
 from kvconnect.vllm.scheduler import SchedulerSide
 from kvconnect.vllm.settings import rank_config, read_settings
@@ -114,6 +115,15 @@ class KVConnectConnector(KVConnectorBase_V1):
         self._worker_side().register_kv_caches(
             kv_caches, num_blocks, self._settings.block_size, self._settings.tp_size, page
         )
+
+    if API.cross_layer_blocks:  # vLLM 0.26: one tensor for every layer, when asked for (settings.py)
+
+        @property
+        def prefer_cross_layer_blocks(self) -> bool:
+            return self._settings.cross_layer_blocks
+
+        def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any) -> None:
+            self.register_kv_caches(cross_layer_views(kv_cache, attn_backend))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -236,3 +237,19 @@ def _describe_split(
     regions = [torch.as_strided(t, spec.region_shape(), spec.region_strides(), t.storage_offset()) for t in owners]
     order = {LayoutKind.KV_FIRST: "2B", LayoutKind.BLOCKS_FIRST: "B2", LayoutKind.CROSS_LAYER: "BL2"}[kind]
     return Described(KVCache.from_tensors(spec, regions), names, order + ("HND" if token_layout == "HND" else "NHD"))
+
+
+def cross_layer_views(kv_cache: torch.Tensor, attn_backend: Any) -> dict[str, torch.Tensor]:
+    """vLLM's one tensor for every layer (`register_cross_layers_kv_cache`, vLLM 0.26 with
+    `prefer_cross_layer_blocks`) as the per-layer views vLLM's attention reads: the tensor is allocated in
+    the backend's physical order with a layers dimension, so undoing that order gives
+    (num_layers, *one layer's logical shape). `describe` then finds the layers inside each block (one
+    region, one descriptor per block for every layer) from the views' strides, as for any other layout."""
+    try:
+        order = tuple(attn_backend.get_kv_cache_stride_order(include_num_layers_dimension=True))
+    except (AttributeError, NotImplementedError):
+        order = tuple(range(kv_cache.dim()))
+    if sorted(order) != list(range(kv_cache.dim())):
+        raise LayoutError(f"cross-layer KV cache of {kv_cache.dim()} dims, stride order {order}: not a permutation")
+    logical = kv_cache.permute(*[order.index(i) for i in range(len(order))])
+    return {f"cross_layer.{layer}": logical[layer] for layer in range(logical.shape[0])}

@@ -26,6 +26,7 @@ from kvconnect.core.errors import ConfigError
 log = logging.getLogger(__name__)
 
 DECIDED_BY_VLLM = ("engine_id", "failure_policy")
+PLUGIN_ONLY = "cross_layer_blocks"  # an extra-config key of the plug-in's own, not a ConnectorConfig field
 LEASE_GRACE_S = 10.0  # how long after request_finished a lease may still be granted (one engine step, or two)
 
 
@@ -36,16 +37,24 @@ class VllmSettings(msgspec.Struct, frozen=True):
     tp_size: int
     block_size: int  # vLLM's (scheduler) block size, in tokens
     role: str  # kv_producer, kv_consumer or kv_both
+    # where vLLM offers it (0.26), ask for one KV tensor for every layer, a block's layers side by side: one
+    # descriptor per block for every layer. kv_connector_extra_config `cross_layer_blocks` (plug-in only)
+    cross_layer_blocks: bool = False
 
 
 def read_settings(vllm_config: Any) -> VllmSettings:
     """Settings of the engine `vllm_config` describes; ConfigError names a bad key or value."""
     kvt = vllm_config.kv_transfer_config
     extra = dict(kvt.kv_connector_extra_config or {})
+    cross = extra.pop(PLUGIN_ONLY, False)
+    if not isinstance(cross, bool) and str(cross).lower() not in ("true", "false", "1", "0"):
+        raise ConfigError(f"kv_connector_extra_config.{PLUGIN_ONLY} must be true or false, got {cross!r}")
     fields = set(ConnectorConfig.__struct_fields__)
     unknown = sorted(set(extra) - fields)
     if unknown:
-        raise ConfigError(f"kv_connector_extra_config: unknown key(s) {unknown}; allowed: {sorted(fields)}")
+        raise ConfigError(
+            f"kv_connector_extra_config: unknown key(s) {unknown}; allowed: {sorted(fields | {PLUGIN_ONLY})}"
+        )
     decided = sorted(set(extra) & set(DECIDED_BY_VLLM))
     if decided:
         raise ConfigError(
@@ -71,7 +80,8 @@ def read_settings(vllm_config: Any) -> VllmSettings:
         )
     if config.side_channel_port and config.side_channel_port + tp_size > 65536:
         raise ConfigError(f"side_channel_port {config.side_channel_port} + {tp_size} ranks leaves the port range")
-    return VllmSettings(config, tp_size, int(vllm_config.cache_config.block_size), str(kvt.kv_role))
+    crossed = cross is True or str(cross).lower() in ("true", "1")
+    return VllmSettings(config, tp_size, int(vllm_config.cache_config.block_size), str(kvt.kv_role), crossed)
 
 
 def rank_config(settings: VllmSettings, tp_rank: int) -> ConnectorConfig:
