@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 import time
 from pathlib import Path
 
@@ -72,26 +71,8 @@ def main() -> None:
         print(f"5 servers healthy after {time.monotonic() - t0:.0f} s", flush=True)
         proxies = {}
         for pair in ("kvc", "nixl"):
-            port = free_port()
-            cmd = [
-                sys.executable,
-                "-m",
-                "kvconnect.cli",
-                "--log-level",
-                "INFO",
-                "proxy",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--prefill",
-                c.urls[f"{pair}-prefill"],
-                "--decode",
-                c.urls[f"{pair}-decode"],
-            ]
-            c._cmds[f"{pair}-proxy"] = (cmd, c.base_env(Server("proxy")))
-            c.urls[f"{pair}-proxy"] = proxies[pair] = f"http://127.0.0.1:{port}"
-            c._spawn(f"{pair}-proxy")
+            env = c.base_env(Server("proxy"))
+            proxies[pair] = c.add_proxy(f"{pair}-proxy", f"{pair}-prefill", [f"{pair}-decode"], env)
         c.wait_healthy(["kvc-proxy", "nixl-proxy"])
         for pair in ("kvc", "nixl"):  # first contact (handshakes) outside the table
             generate(proxies[pair], prompt_of(40, seed=999), 2)

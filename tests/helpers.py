@@ -9,6 +9,7 @@ from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig, connector_config
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.params import KVTransferParams
 
 # what every test connector runs with, whatever this shell's KVCONNECT_* variables say: loopback, and the
 # end-to-end KV digest on (conftest.py turns it on for the workers and processes the tests start, too)
@@ -27,3 +28,20 @@ def spec(kind: LayoutKind, num_blocks: int = 40, **kw: Any) -> CacheSpec:
 
 def decoder(kind: LayoutKind, num_blocks: int = 32, **config: Any) -> KVConnector:
     return KVConnector(KVCache.allocate(spec(kind, num_blocks)), config_for_tests(**config))
+
+
+def params_to(
+    port: int, engine_id: str, block_ids: tuple[int, ...] = (1,), request_id: str = "r", tp_size: int = 1
+) -> KVTransferParams:
+    """kv_transfer_params naming a prefill on loopback at `port`, which need not exist (the tests of what a
+    decode does when nobody, or the wrong process, answers there)."""
+    return KVTransferParams(
+        do_remote_prefill=True,
+        remote_engine_id=engine_id,
+        remote_block_ids=list(block_ids),
+        remote_host="127.0.0.1",
+        remote_port=port,
+        remote_request_id=request_id,
+        remote_lease_id=f"lease-{request_id}",
+        tp_size=tp_size,
+    )

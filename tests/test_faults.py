@@ -391,9 +391,8 @@ def test_pull_waiting_on_a_peer_that_moved_fails_instead_of_hanging() -> None:
 
     from kvconnect.core.errors import PeerGoneError
     from kvconnect.core.layout import LayoutKind
-    from kvconnect.core.params import KVTransferParams
     from kvconnect.harness.prefill import PrefillProcess
-    from tests.helpers import decoder, spec
+    from tests.helpers import decoder, params_to, spec
 
     pre = PrefillProcess.start(spec(LayoutKind.BLOCKS_FIRST), engine_id="moving")
     try:
@@ -401,15 +400,7 @@ def test_pull_waiting_on_a_peer_that_moved_fails_instead_of_hanging() -> None:
             s.bind(("127.0.0.1", 0))
             dead_port = s.getsockname()[1]  # the old incarnation's address: nobody answers there now
         with decoder(LayoutKind.BLOCKS_FIRST, handshake_timeout_s=30) as dec:
-            stale = KVTransferParams(
-                do_remote_prefill=True,
-                remote_engine_id="moving",
-                remote_block_ids=[1],
-                remote_host="127.0.0.1",
-                remote_port=dead_port,
-                remote_request_id="old",
-                remote_lease_id="lease-old",
-            )
+            stale = params_to(dead_port, "moving", request_id="old")
             waiting = dec.pull(stale, [0])
             dec.wait_idle()  # its handshake is under way
             dec.pull(pre.lease("new", [2]), [1]).wait(20)  # the same engine, at its new address

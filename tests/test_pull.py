@@ -27,7 +27,7 @@ from kvconnect.core.layout import LayoutKind
 from kvconnect.core.params import KVTransferParams
 from kvconnect.harness.prefill import PrefillProcess
 from tests.faultkit import poll_until
-from tests.helpers import decoder, spec
+from tests.helpers import decoder, params_to, spec
 
 
 @pytest.fixture(scope="module")
@@ -224,17 +224,7 @@ def test_dead_prefill_address_fails_within_deadline() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    from kvconnect.core.params import KVTransferParams
-
-    params = KVTransferParams(
-        do_remote_prefill=True,
-        remote_engine_id="ghost",
-        remote_block_ids=[1],
-        remote_host="127.0.0.1",
-        remote_port=port,
-        remote_request_id="r",
-        remote_lease_id="lease-r",
-    )
+    params = params_to(port, "ghost")
     with decoder(LayoutKind.CROSS_LAYER, handshake_timeout_s=0.5) as dec:
         with pytest.raises(HandshakeTimeoutError, match="ghost"):  # (the caller's own 10 s would raise another)
             dec.pull(params, [0]).wait(10)
@@ -310,15 +300,7 @@ def test_a_pull_ends_by_its_own_deadline_while_its_peer_never_answers() -> None:
     silent = ctx.socket(zmq.ROUTER)
     silent.setsockopt(zmq.LINGER, 0)
     port = silent.bind_to_random_port("tcp://127.0.0.1")
-    params = KVTransferParams(
-        do_remote_prefill=True,
-        remote_engine_id="mute",
-        remote_block_ids=[1],
-        remote_host="127.0.0.1",
-        remote_port=port,
-        remote_request_id="r",
-        remote_lease_id="lease-r",
-    )
+    params = params_to(port, "mute")
     try:
         with decoder(LayoutKind.CROSS_LAYER, handshake_timeout_s=60, pull_timeout_s=1.0) as dec:
             with pytest.raises(TransferTimeoutError, match="not ready within the pull's deadline"):

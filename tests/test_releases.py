@@ -26,7 +26,7 @@ from kvconnect.core.pull import PinState, Pull
 from kvconnect.harness.prefill import PrefillProcess
 from kvconnect.serving.serve import exposure_warning
 from tests.faultkit import poll_until
-from tests.helpers import config_for_tests
+from tests.helpers import config_for_tests, params_to
 
 SPEC = CacheSpec(
     kind=LayoutKind.BLOCKS_FIRST,
@@ -59,16 +59,7 @@ def open_fds() -> int:
 
 
 def params_for(engine_id: str, port: int, tp_size: int) -> KVTransferParams:
-    return KVTransferParams(
-        do_remote_prefill=True,
-        remote_engine_id=engine_id,
-        remote_block_ids=[1, 2],
-        remote_host="127.0.0.1",
-        remote_port=port,
-        remote_request_id="r-1",
-        remote_lease_id="lease-" + engine_id,
-        tp_size=tp_size,
-    )
+    return params_to(port, engine_id, block_ids=(1, 2), request_id="r-1", tp_size=tp_size)
 
 
 def test_release_only_channels_close_again_and_never_pile_up() -> None:

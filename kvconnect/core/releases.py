@@ -40,15 +40,18 @@ class Releases:
 
     def for_params(self, params: KVTransferParams) -> None:
         """Release the lease on every rank of the prefill's TP group, as a non-reader (no pin is dropped)."""
-        for rank, _, _ in self._targets(params):
-            self.to_rank(params, rank)
+        for rank, host, port in self._targets(params):
+            self._send(params, rank, host, port)
 
     def to_rank(self, params: KVTransferParams, rank: int) -> None:
         """Release as a non-reader on rank `rank`: on its peer's channel if there is one, else a short one."""
         targets = self._targets(params)
-        if rank >= len(targets) or not params.remote_engine_id:
+        if rank < len(targets):
+            self._send(params, *targets[rank])
+
+    def _send(self, params: KVTransferParams, rank: int, host: str, port: int) -> None:
+        if not params.remote_engine_id:
             return
-        _, host, port = targets[rank]
         msg = lease_client.release(self._engine_id, params.remote_lease_id or "", params.remote_block_ids or [])
         peer = self._peers.get(peer_key(params.remote_engine_id, rank))
         if peer is not None:

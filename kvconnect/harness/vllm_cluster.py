@@ -144,31 +144,25 @@ class VllmCluster:
                 self._spawn(server.name)
             if self.proxy_for is not None:
                 prefill, decodes = self.proxy_for
-                port = free_port()
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "kvconnect.cli",
-                    "--log-level",
-                    "INFO",
-                    "proxy",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--prefill",
-                    self.urls[prefill],
-                ]
-                for name in decodes:
-                    cmd += ["--decode", self.urls[name]]
-                self.urls["proxy"] = f"http://127.0.0.1:{port}"
-                self._cmds["proxy"] = (cmd, dict(os.environ))
-                self._spawn("proxy")
+                self.add_proxy("proxy", prefill, list(decodes))
             self.wait_healthy(list(self.urls))
         except BaseException:
             self.stop()
             raise
         return self
+
+    def add_proxy(self, name: str, prefill: str, decodes: list[str], env: dict[str, str] | None = None) -> str:
+        """Start kvconnect's proxy, named `name`, in front of these servers (by name); returns its URL. Waiting
+        for it to be healthy is the caller's (`wait_healthy`)."""
+        port = free_port()
+        cmd = [sys.executable, "-m", "kvconnect.cli", "--log-level", "INFO", "proxy"]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), "--prefill", self.urls[prefill]]
+        for decode in decodes:
+            cmd += ["--decode", self.urls[decode]]
+        self.urls[name] = f"http://127.0.0.1:{port}"
+        self._cmds[name] = (cmd, env if env is not None else dict(os.environ))
+        self._spawn(name)
+        return self.urls[name]
 
     def _spawn(self, name: str) -> None:
         cmd, env = self._cmds[name]
