@@ -1,8 +1,11 @@
 """kvconnect between vLLM servers of different tensor-parallel sizes (CPU, gloo): a TP-2 prefill read by a
 TP-1 decode, and a TP-1 prefill read by a TP-2 decode. Each block moves as one run of heads per layer.
 
-vLLM's TP on a 2-core machine is slow (two ranks share the cores with the other server), so this runs a
-few short prompts; the references are the two servers' own answers to the plain prompt (one of each TP size).
+One pair of servers for the module, a TP-1 and a TP-2 one, each `kv_both` (a prefill for one direction, the
+decode of the other), with vLLM's defaults: prefix caching on. vLLM's TP on a 2-core machine is slow (two
+ranks share the cores with the other server), so this runs a few short prompts. The references are the two
+servers' own answers to the plain prompt, each under a cache salt of its own: a salted request shares no
+cached block with anything, so each reference is computed from the prompt, never from pulled blocks.
 
 The servers compute in float32: a random-weight model's logits are nearly flat, and in bfloat16 the TP-1
 and TP-2 servers' own greedy tokens differed for some prompts (their all-reduce rounds differently), so a
@@ -11,8 +14,12 @@ here, so a token that differs is the transfer's doing."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import itertools
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,52 +35,93 @@ MAX_TOKENS = 4
 # stall this test once caught, about one request in nine, was soaked with KVCONNECT_VLLM_TP_ROUNDS=10: 160
 # P/D requests, none stalled). KVCONNECT_VLLM_TP_ROUNDS=k repeats the set k times with fresh seeds.
 ROUNDS = int(os.environ.get("KVCONNECT_VLLM_TP_ROUNDS", "1"))
-PROMPTS = [(n, 1 + r) for r in range(ROUNDS) for n in (5, 90, 300, 600, 700)]
+LENGTHS = (5, 90, 300, 600, 700)
 DTYPE = "float32"
+SALTS = itertools.count()
 
 
-def pairs(tmp_path_factory: pytest.TempPathFactory, prefill_tp: int, decode_tp: int) -> VllmCluster:
-    """A prefill and a decode of the given TP sizes. Prefix caching is off: each server also answers plain
-    requests (its own greedy tokens, the references), and a cached prompt would make a later leg skip
-    computing or pulling it."""
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmCluster]:
+    """A TP-1 and a TP-2 server, both kv_both, prefix caching on (vLLM's default)."""
     ckpt = build(tmp_path_factory.getbasetemp() / "tiny-llama-tp", TinyLlama.named("tiny"))
-    prefill = {"side_channel_port": free_port_run(prefill_tp)} if prefill_tp > 1 else {}
-    decode = {"side_channel_port": free_port_run(decode_tp)} if decode_tp > 1 else {}
-    args = ["--no-enable-prefix-caching"]
     servers = [
-        Server("prefill", kvconnect_config("kv_producer", prefill), core=0, tensor_parallel=prefill_tp, args=args),
-        Server(
-            "decode", kvconnect_config("kv_consumer", decode), core=2 - decode_tp, tensor_parallel=decode_tp, args=args
-        ),
+        Server("tp2", kvconnect_config("kv_both", {"side_channel_port": free_port_run(2)}), core=0, tensor_parallel=2),
+        Server("tp1", kvconnect_config("kv_both"), core=1),
     ]
-    return VllmCluster(
-        str(ckpt), servers, str(tmp_path_factory.mktemp("vllm-tp-logs")), max_model_len=1024, dtype=DTYPE
-    )
-
-
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
-def test_a_decode_of_another_tp_size_reads_its_heads_from_the_prefill_group(
-    tmp_path_factory, prefill_tp: int, decode_tp: int
-) -> None:
-    with pairs(tmp_path_factory, prefill_tp, decode_tp) as c:
-        for n, seed in PROMPTS:
-            prompt = prompt_of(n, seed=seed)
-            leg = generate(c.urls["prefill"], prompt, 1, extra={"kv_transfer_params": {"do_remote_decode": True}})
-            assert leg["status"] == 200 and leg["kv_transfer_params"]["tp_size"] == prefill_tp, leg
-            params = leg["kv_transfer_params"]
-            got = generate(c.urls["decode"], prompt, MAX_TOKENS, extra={"kv_transfer_params": params})
-            assert got["status"] == 200, got
-            # the references: each server's own tokens, computed from the prompt (TP 1 and TP 2 must agree,
-            # or the check could not tell a transfer's error from the servers' rounding)
-            refs = {
-                tp: generate(c.urls[name], prompt, MAX_TOKENS)["token_ids"]
-                for name, tp in (("prefill", prefill_tp), ("decode", decode_tp))
-            }
-            assert refs[1] == refs[2], f"TP 1 and TP 2 references disagree on ({n}, {seed}): {refs}"
-            assert got["token_ids"] == refs[decode_tp], (n, seed, got["token_ids"], refs)
-        pulls = sum(
-            v for (name, _), v in scrape(c.urls["decode"]).items() if name == "vllm:kvconnect_pull_time_seconds_count"
-        )
-        assert pulls >= len(PROMPTS)
-        assert any(Path(c.rpc_dir).iterdir()), "vLLM's IPC sockets belong in the cluster's own directory"
+    logs = str(tmp_path_factory.mktemp("vllm-tp-logs"))
+    with VllmCluster(str(ckpt), servers, logs, max_model_len=1024, dtype=DTYPE) as c:
+        yield c
     assert not Path(c.rpc_dir).exists(), "the cluster's IPC socket directory outlived it"
+
+
+def reference(c: VllmCluster, name: str, prompt: str) -> list[int]:
+    """The server's own greedy tokens for the prompt, computed from it (a fresh cache salt hits nothing)."""
+    r = generate(c.urls[name], prompt, MAX_TOKENS, extra={"cache_salt": f"reference-{next(SALTS)}"})
+    assert r["status"] == 200, r
+    return r["token_ids"]  # type: ignore[no-any-return]
+
+
+def metric_sum(c: VllmCluster, name: str, metric: str) -> float:
+    return sum(v for (n, _), v in scrape(c.urls[name]).items() if n == metric)
+
+
+def pulled_bytes(c: VllmCluster, name: str) -> float:
+    return metric_sum(c, name, "vllm:kvconnect_bytes_transferred_sum")
+
+
+@pytest.mark.parametrize("prefill,decode", [("tp2", "tp1"), ("tp1", "tp2")], ids=["tp2-to-tp1", "tp1-to-tp2"])
+def test_a_decode_of_another_tp_size_reads_its_heads_from_the_prefill_group(
+    pair: VllmCluster, prefill: str, decode: str
+) -> None:
+    c, tp = pair, {"tp1": 1, "tp2": 2}
+    base = 1 if prefill == "tp2" else 1001  # (each direction its own prompts: none is cached on either side yet)
+    prompts = [(n, base + r) for r in range(ROUNDS) for n in LENGTHS]
+    for n, seed in prompts:
+        prompt = prompt_of(n, seed=seed)
+        sent = []
+        # twice: the second time the decode's prefix cache holds the blocks it pulled the first time (all full
+        # blocks but the last, which vLLM recomputes), and the prefill's holds the prompt it computed
+        for _ in range(2 if n == 600 else 1):
+            leg = generate(c.urls[prefill], prompt, 1, extra={"kv_transfer_params": {"do_remote_decode": True}})
+            assert leg["status"] == 200 and leg["kv_transfer_params"]["tp_size"] == tp[prefill], leg
+            before = pulled_bytes(c, decode)
+            got = generate(c.urls[decode], prompt, MAX_TOKENS, extra={"kv_transfer_params": leg["kv_transfer_params"]})
+            assert got["status"] == 200, got
+            sent.append(pulled_bytes(c, decode) - before)
+            # the references: each server's own tokens (TP 1 and TP 2 must agree, or the check could not tell
+            # a transfer's error from the servers' rounding)
+            refs = {name: reference(c, name, prompt) for name in ("tp1", "tp2")}
+            assert refs["tp1"] == refs["tp2"], f"TP 1 and TP 2 references disagree on ({n}, {seed}): {refs}"
+            assert got["token_ids"] == refs[decode], (n, seed, got["token_ids"], refs)
+        assert sent[0] > 0 and all(0 < s < sent[0] for s in sent[1:]), (n, sent)
+    assert any(Path(c.rpc_dir).iterdir()), "vLLM's IPC sockets belong in the cluster's own directory"
+
+
+def test_concurrent_requests_sharing_a_prefix_read_the_tp_groups_shared_blocks(pair: VllmCluster) -> None:
+    """Prefix caching on both TP ranks: three concurrent prefill legs on the TP-2 server hit its cached
+    prefix, so their leases hold the same physical blocks on each rank at once; every decode on the TP-1
+    server still reads them and answers with the reference tokens."""
+    c = pair
+    prefix = prompt_of(320, seed=4242)
+    prompts = [prefix + prompt_of(20 + 17 * i, seed=4300 + i) for i in range(3)]
+    assert generate(c.urls["tp2"], prefix, 1)["status"] == 200  # the prefix is now cached on both ranks
+    hits = metric_sum(c, "tp2", "vllm:prefix_cache_hits_total")
+
+    def prefill_leg(prompt: str) -> dict[str, Any]:
+        leg = generate(c.urls["tp2"], prompt, 1, extra={"kv_transfer_params": {"do_remote_decode": True}})
+        assert leg["status"] == 200 and leg["kv_transfer_params"], leg
+        return leg["kv_transfer_params"]  # type: ignore[no-any-return]
+
+    def decode_leg(prompt: str, params: dict[str, Any]) -> dict[str, Any]:
+        return generate(c.urls["tp1"], prompt, MAX_TOKENS, extra={"kv_transfer_params": params})
+
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        legs = list(pool.map(prefill_leg, prompts))  # (three live leases over the shared blocks)
+        got = list(pool.map(decode_leg, prompts, legs))
+    # (each leg hit at least half the prefix: 5 of its ~10 full blocks of 32 tokens)
+    assert metric_sum(c, "tp2", "vllm:prefix_cache_hits_total") - hits >= 3 * 5 * 32
+    shared = set.intersection(*(set(leg["remote_block_ids"]) for leg in legs))
+    assert shared, f"the legs share no block: {legs}"
+    for prompt, r in zip(prompts, got, strict=True):
+        assert r["status"] == 200, r
+        assert r["token_ids"] == reference(c, "tp2", prompt) == reference(c, "tp1", prompt)
