@@ -13,3 +13,14 @@ os.environ.setdefault("KVCONNECT_KV_DIGEST", "1")
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("UCX_TLS", "tcp,cma,sm,self")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
+def pytest_collection_finish(session) -> None:  # type: ignore[no-untyped-def]
+    """Start the container-image replays now, in the background, when a selected test needs them: their
+    minute or two of unpacking wheels then overlaps the tests that run before them (tests/image_build.py)."""
+    from tests.image_build import REPLAY_FIXTURE, start_replays
+
+    if not session.config.option.collectonly and any(
+        REPLAY_FIXTURE in getattr(item, "fixturenames", ()) for item in session.items
+    ):
+        start_replays()
