@@ -24,3 +24,9 @@ def pytest_collection_finish(session) -> None:  # type: ignore[no-untyped-def]
         REPLAY_FIXTURE in getattr(item, "fixturenames", ()) for item in session.items
     ):
         start_replays()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:  # type: ignore[no-untyped-def]
+    from tests.image_build import stop_replays
+
+    stop_replays()

@@ -15,6 +15,7 @@ import platform
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +33,16 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parents[1]
 INSTALL_HINT = "install the test extra: pip install -e '.[test]' (bash scripts/dev.sh setup)"
 REPLAY_FIXTURE = "replayed"  # the fixture of tests/test_deploy.py that holds the replays' results
+RUNNING: set[subprocess.Popen[str]] = set()  # install.sh runs in progress
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """End the process group of `proc` (install.sh, pip, uv), if any of it is still there."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def dockerfile_commands(path: Path) -> list[Any]:
@@ -159,16 +170,23 @@ def replay_build_stage(flavor: str, image_root: Path) -> tuple[Path, dict[str, s
     env.update(run_env, TORCH_INDEX_URL="", PYTHON=getattr(sys, "_base_executable", sys.executable))
     env["KVCONNECT_BYTECODE"] = "1" if flavor == "cpu" else "0"  # (the step is the same: one replay runs it)
     t0 = time.monotonic()
-    out = subprocess.run(
+    proc = subprocess.Popen(
         ["bash", str(src / "docker" / "install.sh"), str(venv), str(src)],
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=1500,
+        start_new_session=True,  # (a process group: `Replays.stop` ends install.sh and what it started)
     )
+    RUNNING.add(proc)
+    try:
+        stdout, stderr = proc.communicate(timeout=1500)
+    finally:
+        RUNNING.discard(proc)
+        _kill_group(proc)
     took_s = time.monotonic() - t0
-    tail = f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-    assert out.returncode == 0, f"install.sh failed after {took_s:.0f} s:\n{tail}"
+    tail = f"{stdout[-3000:]}\n{stderr[-3000:]}"
+    assert proc.returncode == 0, f"install.sh failed after {took_s:.0f} s:\n{tail}"
     assert not list(venv.glob("lib/*/site-packages/__editable__*")), "an editable install in the image"
     # the package came from the wheel, not the repository checkout
     code = "import kvconnect; print(kvconnect.__file__)"
@@ -236,8 +254,22 @@ class Replays:
         for root in self.roots.values():
             shutil.rmtree(root, ignore_errors=True)  # ~1 GB of torch (vLLM: ~2.5 GB)
 
+    def stop(self) -> None:
+        """End the replays still running (a session that ends before their tests ran) and remove them."""
+        for proc in list(RUNNING):
+            _kill_group(proc)
+        for future in self._futures.values():
+            future.exception()  # (the threads have seen their install.sh end)
+        self.remove()
+
 
 _started: Replays | None = None
+
+
+def stop_replays() -> None:
+    """At the session's end: nothing of a replay outlives it."""
+    if _started is not None:
+        _started.stop()
 
 
 def start_replays() -> Replays:
