@@ -10,7 +10,8 @@ random prompt of exactly that many tokens: the prefill leg (`max_tokens` 1, `do_
 decode leg streamed with the returned params. Per request, from the decode's /metrics before and after:
 bytes, descriptors, transfer time (NixlConnector: NIXL's telemetry, post to completion; kvconnect: post to
 completion), kvconnect's requested -> usable, and the decode leg's time to first token. The ceiling: a
-torch copy of the same bytes on the same GPU in this process (best of 5), measured per length.
+torch copy of the same bytes on the same GPU in this process (best of 6, kvconnect.bench.ceiling), measured
+per length.
 Writes h2h.json and h2h.txt under OUT_DIR.
 """
 
@@ -23,8 +24,7 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
+from kvconnect.bench.ceiling import CopyCeiling
 from kvconnect.bench.vllm_pd import SERIES, scrape_sums
 from kvconnect.harness.tiny_llama import TinyLlama, build
 from kvconnect.harness.vllm_cluster import Server, VllmCluster, connector_json, generate, kvconnect_config
@@ -39,19 +39,6 @@ LLAMA3_8B = {
     "head_dim": 128,
     "max_position_embeddings": 8192,
 }
-
-
-def copy_ceiling_s(num_bytes: int) -> float:
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(6):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main() -> None:
@@ -137,7 +124,7 @@ def main() -> None:
                 continue
             nbytes = statistics.median(r["bytes"] for r in rs)
             xfer = [r["xfer_s"] for r in rs]
-            ceiling = copy_ceiling_s(int(nbytes))
+            ceiling = nbytes / (CopyCeiling(int(nbytes), "cuda", "cuda").best_gbps(6) * 1e9)  # (best of 6)
             row = {
                 "tokens": n,
                 "connector": name,

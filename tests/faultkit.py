@@ -44,6 +44,11 @@ def metric(url: str, name: str, **labels: str) -> float:
     return scrape(url).get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+def metric_sum(url: str, name: str, **labels: str) -> float:
+    """Sum of a metric's samples whose labels include `labels` (vLLM adds engine and model labels)."""
+    return sum(v for (n, lab), v in scrape(url).items() if n == name and set(labels.items()) <= set(lab))
+
+
 def prefill_leg(url: str, prompt: str, request_id: str) -> dict[str, Any]:
     """The proxy's first leg by hand: returns the kv_transfer_params the prefill worker leased."""
     leg = {"prompt": prompt, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}

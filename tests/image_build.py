@@ -145,9 +145,9 @@ REPLAYED = ["cpu", "vllm-cpu"] if platform.machine() == "x86_64" else ["cpu"]  #
 def replay_build_stage(flavor: str, image_root: Path) -> tuple[Path, dict[str, str], list[Any]]:
     """Dockerfile.<flavor>'s build stage: its COPY lines into a scratch root, its RUN (install.sh, with the
     environment that RUN line gives it) into a fresh venv there. Returns the venv, that environment and the
-    runtime stage. Differences from a real build, both forced by having no engine: the interpreter is this
-    machine's python3, and torch comes through this machine's pip configuration (TORCH_INDEX_URL empty)
-    because PyTorch's own index is not reachable from CI; the pinned version (+cpu) is the same. And only
+    runtime stage. Differences from a real build, the first two forced by having no engine: the interpreter
+    is this machine's python3, and torch comes through this machine's pip configuration (TORCH_INDEX_URL
+    empty) because PyTorch's own index is not reachable from CI; the pinned version (+cpu) is the same. And only
     the CPU image's replay compiles bytecode (KVCONNECT_BYTECODE): the step is one command whatever the
     image, and in the vLLM image's replay it cost a minute of this machine's two cores."""
     stages = parse_dockerfile(dockerfile_path(flavor))

@@ -25,7 +25,7 @@ pytest.importorskip("vllm", reason="the vLLM plug-in tests need vllm (the `vllm`
 from kvconnect.harness.net import poll_until, wait_stopped  # noqa: E402
 from kvconnect.harness.tiny_llama import TinyLlama, build, prompt_of  # noqa: E402
 from kvconnect.harness.vllm_cluster import Server, VllmCluster, generate, kvconnect_config  # noqa: E402
-from tests.faultkit import open_request, scrape  # noqa: E402
+from tests.faultkit import metric_sum, open_request  # noqa: E402
 
 TTL_S = 60.0  # long: a lease that ends sooner was released or read, not expired
 PULL_TIMEOUT_S = 8.0
@@ -51,18 +51,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmCluster]:
         yield c
 
 
-def metric(url: str, name: str, **labels: str) -> float:
-    """Sum of a metric's samples whose labels include `labels` (vLLM adds engine and model labels)."""
-    return sum(v for (n, lab), v in scrape(url).items() if n == name and set(labels.items()) <= set(lab))
-
-
 def quiet(cluster: VllmCluster) -> bool:
     """No request running or waiting on any server, no prefill block held."""
     for name in ("prefill", "decode", "decode-r", "aggregated"):
         url = cluster.urls[name]
-        if metric(url, "vllm:num_requests_running") or metric(url, "vllm:num_requests_waiting"):
+        if metric_sum(url, "vllm:num_requests_running") or metric_sum(url, "vllm:num_requests_waiting"):
             return False
-    return metric(cluster.urls["prefill"], "vllm:kv_cache_usage_perc") == 0
+    return metric_sum(cluster.urls["prefill"], "vllm:kv_cache_usage_perc") == 0
 
 
 @pytest.fixture
@@ -90,7 +85,7 @@ def reference(cluster: VllmCluster, prompt: str, chat: bool = False) -> list[int
 
 def test_disaggregated_vllm_equals_aggregated_for_every_prompt(c: VllmCluster) -> None:
     """20 greedy prompts of 1 to ~2,000 tokens, completions and chat, streamed and not, through the proxy."""
-    pulls = metric(c.urls["decode"], "vllm:kvconnect_pull_time_seconds_count")
+    pulls = metric_sum(c.urls["decode"], "vllm:kvconnect_pull_time_seconds_count")
     cases = [(n, i % 3 == 1, i % 4 == 3) for i, n in enumerate(LENGTHS)]  # (tokens, stream, chat)
 
     def one(case: tuple[int, bool, bool]) -> tuple[tuple[int, bool, bool], dict[str, Any], list[int]]:
@@ -104,13 +99,13 @@ def test_disaggregated_vllm_equals_aggregated_for_every_prompt(c: VllmCluster) -
         assert got["status"] == 200, (case, got)
         assert got["token_ids"] == want and len(want) == MAX_TOKENS, case
     # the transfers show in vLLM's own /metrics, as the decode's connector reported them
-    assert metric(c.urls["decode"], "vllm:kvconnect_pull_time_seconds_count") >= pulls + len(cases)
-    assert metric(c.urls["decode"], "vllm:kvconnect_bytes_transferred_sum") > 0
+    assert metric_sum(c.urls["decode"], "vllm:kvconnect_pull_time_seconds_count") >= pulls + len(cases)
+    assert metric_sum(c.urls["decode"], "vllm:kvconnect_bytes_transferred_sum") > 0
     # ... and the bytes, not only the tokens, matched: every pull's blocks were summed against the prefill's
-    digests = metric(c.urls["decode"], "vllm:kvconnect_digest_time_seconds_count")
-    assert digests == metric(c.urls["decode"], "vllm:kvconnect_pull_time_seconds_count") > 0
+    digests = metric_sum(c.urls["decode"], "vllm:kvconnect_digest_time_seconds_count")
+    assert digests == metric_sum(c.urls["decode"], "vllm:kvconnect_pull_time_seconds_count") > 0
     poll_until(lambda: quiet(c), timeout_s=30, what="every prefill lease ended by its read")
-    assert metric(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome="completed") >= len(cases)
+    assert metric_sum(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome="completed") >= len(cases)
 
 
 def tokenize(cluster: VllmCluster, text: str) -> list[int]:
@@ -133,18 +128,18 @@ def test_concurrent_requests_sharing_a_prefix_share_the_prefills_blocks(c: VllmC
     wants = [reference(c, p) for p in prompts]  # type: ignore[arg-type]
     warm = generate(c.urls["prefill"], prefix, 1)  # the prefill's prefix cache now holds the shared blocks
     assert warm["status"] == 200, warm
-    completed = metric(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome="completed")
+    completed = metric_sum(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome="completed")
     pulled = []
     for _ in range(2):
-        before = metric(c.urls["decode"], "vllm:kvconnect_bytes_transferred_sum")
+        before = metric_sum(c.urls["decode"], "vllm:kvconnect_bytes_transferred_sum")
         with cf.ThreadPoolExecutor(len(prompts)) as pool:
             got = list(pool.map(lambda p: generate(c.urls["proxy"], p, MAX_TOKENS), prompts))
         for i, (r, want) in enumerate(zip(got, wants, strict=True)):
             assert r["status"] == 200 and r["token_ids"] == want, (i, r)
-        pulled.append(metric(c.urls["decode"], "vllm:kvconnect_bytes_transferred_sum") - before)
+        pulled.append(metric_sum(c.urls["decode"], "vllm:kvconnect_bytes_transferred_sum") - before)
     assert 0 < pulled[1] < pulled[0]
     poll_until(lambda: quiet(c), timeout_s=30, what="every shared-prefix lease ended by its read")
-    ended = metric(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome="completed") - completed
+    ended = metric_sum(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome="completed") - completed
     assert ended == 2 * len(prompts)
 
 
@@ -153,21 +148,21 @@ def test_a_decode_prefix_hit_pulls_only_the_missing_blocks(c: VllmCluster) -> No
     want = reference(c, prompt)
     sent = []
     for _ in range(2):
-        before = metric(c.urls["decode"], "vllm:kvconnect_bytes_transferred_sum")
+        before = metric_sum(c.urls["decode"], "vllm:kvconnect_bytes_transferred_sum")
         got = decode_leg(c, "decode", prompt, prefill_leg(c, prompt))
         assert got["status"] == 200 and got["token_ids"] == want, got
-        sent.append(metric(c.urls["decode"], "vllm:kvconnect_bytes_transferred_sum") - before)
+        sent.append(metric_sum(c.urls["decode"], "vllm:kvconnect_bytes_transferred_sum") - before)
     assert 0 < sent[1] < sent[0]  # the second time the decode's own prefix cache held the first blocks
 
 
 def refused_as(c: VllmCluster, prompt: str, params: dict[str, Any], field: str) -> None:
     """The decode refuses `params` and counts the refusal under the field's name."""
     reason = f"InvalidRequestError(kv_transfer_params.{field})"
-    before = metric(c.urls["decode"], "vllm:kvconnect_num_failed_pulls_total", reason=reason)
+    before = metric_sum(c.urls["decode"], "vllm:kvconnect_num_failed_pulls_total", reason=reason)
     got = decode_leg(c, "decode", prompt, params)
     assert got["status"] != 200 and got["token_ids"] is None, (field, got)
     poll_until(
-        lambda: metric(c.urls["decode"], "vllm:kvconnect_num_failed_pulls_total", reason=reason) == before + 1,
+        lambda: metric_sum(c.urls["decode"], "vllm:kvconnect_num_failed_pulls_total", reason=reason) == before + 1,
         what=f"the refusal counted as {reason}",
     )
 
@@ -186,12 +181,14 @@ def test_edited_block_ids_are_refused_naming_the_field_and_both_leases_survive(c
 @pytest.mark.parametrize("field,value", [("remote_num_tokens", 5), ("tp_size", 3), ("remote_port", "x")])
 def test_other_edited_params_are_refused_naming_the_field(c: VllmCluster, field: str, value: Any) -> None:
     prompt = prompt_of(200, seed=9)
-    released = metric(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome="released")
+    released = metric_sum(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome="released")
     params = prefill_leg(c, prompt)
     refused_as(c, prompt, {**params, field: value}, field)
     if field != "remote_port":  # (a refused request still names its lease: it is freed at once, not at the TTL)
         poll_until(
-            lambda: metric(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome="released") == released + 1,
+            lambda: (
+                metric_sum(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome="released") == released + 1
+            ),
             timeout_s=TTL_S / 2,
             what="the refused request's lease released",
         )
@@ -203,7 +200,7 @@ def test_other_edited_params_are_refused_naming_the_field(c: VllmCluster, field:
 
 def ended(c: VllmCluster) -> dict[str, float]:
     return {
-        o: metric(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome=o)
+        o: metric_sum(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome=o)
         for o in ("released", "completed", "expired")
     }
 
@@ -235,12 +232,12 @@ def test_a_decode_abort_frees_the_prefill_blocks(c: VllmCluster) -> None:
         ).encode()
         sock = open_request(c.urls["decode"], "/v1/completions", body, "aborted-1")
         poll_until(
-            lambda: metric(c.urls["decode"], "vllm:num_requests_kv_fetch_by_stage", stage="in_progress") == 1,
+            lambda: metric_sum(c.urls["decode"], "vllm:num_requests_kv_fetch_by_stage", stage="in_progress") == 1,
             what="the pull in flight",
         )
         sock.close()  # the client goes away: vLLM aborts the request
         poll_until(
-            lambda: metric(c.urls["decode"], "vllm:num_requests_waiting") == 0,
+            lambda: metric_sum(c.urls["decode"], "vllm:num_requests_waiting") == 0,
             timeout_s=PULL_TIMEOUT_S,
             what="the decode dropped the request",
         )
@@ -272,7 +269,7 @@ def test_a_killed_prefill_fails_the_decode_leg_or_recomputes_never_hangs(c: Vllm
         assert ra["status"] == 500 and ra["token_ids"] is None, ra  # vLLM's "fail": the request ends in error
         assert ra["total_s"] < 3 * PULL_TIMEOUT_S  # (it ended by the pull's deadline or sooner, never hung)
         assert rb["status"] == 200 and rb["token_ids"] == want, rb  # vLLM's "recompute": same tokens
-        failed = sum(metric(c.urls[n], "vllm:kvconnect_num_failed_pulls_total") for n in ("decode", "decode-r"))
+        failed = sum(metric_sum(c.urls[n], "vllm:kvconnect_num_failed_pulls_total") for n in ("decode", "decode-r"))
         assert failed >= 2
     finally:
         c.restart("prefill")

@@ -28,7 +28,7 @@ pytest.importorskip("vllm", reason="the vLLM plug-in tests need vllm (the `vllm`
 from kvconnect.harness.net import free_port_run  # noqa: E402
 from kvconnect.harness.tiny_llama import TinyLlama, build, prompt_of  # noqa: E402
 from kvconnect.harness.vllm_cluster import Server, VllmCluster, generate, kvconnect_config  # noqa: E402
-from tests.faultkit import scrape  # noqa: E402
+from tests.faultkit import metric_sum  # noqa: E402
 
 MAX_TOKENS = 4
 # (tokens, seed): a short prompt and multi-block ones, one round per direction in the suite (the I/O-thread
@@ -61,19 +61,15 @@ def reference(c: VllmCluster, name: str, prompt: str) -> list[int]:
     return r["token_ids"]  # type: ignore[no-any-return]
 
 
-def metric_sum(c: VllmCluster, name: str, metric: str) -> float:
-    return sum(v for (n, _), v in scrape(c.urls[name]).items() if n == metric)
-
-
 def pulled_bytes(c: VllmCluster, name: str) -> float:
-    return metric_sum(c, name, "vllm:kvconnect_bytes_transferred_sum")
+    return metric_sum(c.urls[name], "vllm:kvconnect_bytes_transferred_sum")
 
 
 @pytest.mark.parametrize("prefill,decode", [("tp2", "tp1"), ("tp1", "tp2")], ids=["tp2-to-tp1", "tp1-to-tp2"])
 def test_a_decode_of_another_tp_size_reads_its_heads_from_the_prefill_group(
     pair: VllmCluster, prefill: str, decode: str
 ) -> None:
-    c, tp = pair, {"tp1": 1, "tp2": 2}
+    c, tp = pair, {s.name: s.tensor_parallel for s in pair.servers}
     base = 1 if prefill == "tp2" else 1001  # (each direction its own prompts: none is cached on either side yet)
     prompts = [(n, base + r) for r in range(ROUNDS) for n in LENGTHS]
     for n, seed in prompts:
@@ -105,7 +101,7 @@ def test_concurrent_requests_sharing_a_prefix_read_the_tp_groups_shared_blocks(p
     prefix = prompt_of(320, seed=4242)
     prompts = [prefix + prompt_of(20 + 17 * i, seed=4300 + i) for i in range(3)]
     assert generate(c.urls["tp2"], prefix, 1)["status"] == 200  # the prefix is now cached on both ranks
-    hits = metric_sum(c, "tp2", "vllm:prefix_cache_hits_total")
+    hits = metric_sum(c.urls["tp2"], "vllm:prefix_cache_hits_total")
 
     def prefill_leg(prompt: str) -> dict[str, Any]:
         leg = generate(c.urls["tp2"], prompt, 1, extra={"kv_transfer_params": {"do_remote_decode": True}})
@@ -119,7 +115,7 @@ def test_concurrent_requests_sharing_a_prefix_read_the_tp_groups_shared_blocks(p
         legs = list(pool.map(prefill_leg, prompts))  # (three live leases over the shared blocks)
         got = list(pool.map(decode_leg, prompts, legs))
     # (each leg hit at least half the prefix: 5 of its ~10 full blocks of 32 tokens)
-    assert metric_sum(c, "tp2", "vllm:prefix_cache_hits_total") - hits >= 3 * 5 * 32
+    assert metric_sum(c.urls["tp2"], "vllm:prefix_cache_hits_total") - hits >= 3 * 5 * 32
     shared = set.intersection(*(set(leg["remote_block_ids"]) for leg in legs))
     assert shared, f"the legs share no block: {legs}"
     for prompt, r in zip(prompts, got, strict=True):
