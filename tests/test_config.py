@@ -155,6 +155,14 @@ def test_the_lease_grace_is_a_bounded_non_negative_time(raw: str) -> None:
     assert connector_config({"KVCONNECT_LEASE_GRACE_S": "3"}).lease_grace_s == 3
 
 
+@pytest.mark.parametrize("raw", ["-1", "65", "100000"])
+def test_the_nixl_thread_pool_is_bounded(raw: str) -> None:
+    """A variable may not make a worker start 100,000 UCX threads (or pass a negative count through)."""
+    with pytest.raises(ConfigError, match=f"nixl_threads must be between 0 and 64, got {raw}"):
+        connector_config({"KVCONNECT_NIXL_THREADS": raw})
+    assert connector_config({"KVCONNECT_NIXL_THREADS": "4"}).nixl_threads == 4
+
+
 def loop_cpus_of_a_connector_made_on(cpus: set[int], **config: str) -> set[int]:
     """The CPUs a connector's I/O thread may run on, the connector made by a thread pinned to `cpus` (as
     vLLM pins each worker's main thread to its compute cores)."""

@@ -355,3 +355,18 @@ def test_an_ipc_gather_that_cannot_compile_leaves_nixl_and_says_so(prefills, mon
         dec._warm_up_gather()
         with pytest.raises(ipc_gather.PeerCopyError, match="IPC gather is unavailable here: RuntimeError: failed to"):
             dec.pull(pre.lease(rid(), [7]), [3]).wait(20)
+
+
+def test_a_pooled_agent_splits_every_pull_over_its_threads_byte_exact(prefills) -> None:
+    """nixl_threads asks UCX's thread pool to split every list: NIXL's own split size (1,024 descriptors)
+    would leave a merged kvconnect list, a handful of descriptors, on one thread."""
+    rng = np.random.default_rng(5)
+    with decoder(LayoutKind.KV_FIRST, nixl_threads=2) as dec:
+        assert dec._agent.backend_params("UCX") == {"num_threads": "2", "split_batch_size": "1"}
+        for pre in prefills.values():
+            remote_ids = [int(x) for x in rng.permutation(36)[:10]]
+            local_ids = [int(x) for x in rng.permutation(32)[:10]]
+            dec.pull(pre.lease(rid(), remote_ids), local_ids).wait(20)
+            for lid, r in zip(local_ids, remote_ids, strict=True):
+                assert dec.cache.block_bytes(lid) == pre.ask("block", r)
+        assert dec.snapshot().pulls_ok == 3

@@ -277,7 +277,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="UCX_KEY=VAL",
         help="exported to both processes before NIXL loads (repeatable)",
     )
-    m.add_argument("--nixl-threads", type=_non_negative_int, default=0, help="UCX worker threads per agent")
+    m.add_argument(
+        "--nixl-threads", type=_non_negative_int, default=0, help="UCX thread pool per agent (each pull split over it)"
+    )
     m.add_argument(
         "--confirm",
         action=argparse.BooleanOptionalAction,

@@ -105,7 +105,11 @@ class XferHandle:
 
 @dataclass
 class AgentOptions:
-    num_threads: int = 0  # UCX worker threads; 0 = backend default
+    # UCX's thread pool: this many dedicated threads, each posting (and, over cma, copying) its share of a
+    # descriptor list; 0 = none, every transfer on the calling thread. NIXL splits a list only once it holds
+    # `split_batch_size` descriptors (1,024 unless told), which a merged kvconnect list never does, so
+    # kvconnect asks for a split of every list: max(n / threads, 1) descriptors per thread.
+    num_threads: int = 0
     progress_thread: bool = False  # NIXL's progress thread busy-spins a core; we poll instead
     telemetry: bool = False
     backends: tuple[str, ...] = ("UCX",)
@@ -125,19 +129,28 @@ class NixlAgent:
 
     def __post_init__(self) -> None:
         api, _ = nixl_module()
+        pooled = self.options.num_threads > 0 and "UCX" in self.options.backends
         conf = api.nixl_agent_config(
             enable_prog_thread=self.options.progress_thread,
             enable_listen_thread=False,
             capture_telemetry=self.options.telemetry,
             num_threads=self.options.num_threads,
-            backends=list(self.options.backends),
+            backends=[b for b in self.options.backends if not (pooled and b == "UCX")],
         )
         try:
             self._agent = api.nixl_agent(self.name, conf)
+            if pooled:  # nixl_agent_config passes num_threads but no split size: create UCX here
+                self._agent.create_backend(
+                    "UCX", {"num_threads": str(self.options.num_threads), "split_batch_size": "1"}
+                )
         except Exception as e:
             raise NixlError(f"cannot create NIXL agent {self.name!r} (check UCX_TLS includes tcp): {e}") from e
         if not self._agent.backends:
             raise NixlError(f"NIXL agent {self.name!r} has none of the backends {self.options.backends}")
+
+    def backend_params(self, backend: str = "UCX") -> dict[str, str]:
+        """The parameters `backend` was created with (what this agent asked NIXL for)."""
+        return dict(self._agent.get_backend_params(backend))
 
     # --- memory ------------------------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ class FailurePolicy(str, enum.Enum):
     RECOMPUTE = "recompute"  # the decode worker computes the prompt itself
 
 
+MAX_NIXL_THREADS = 64  # UCX thread pool size: past a host's memory channels more threads only add workers
 MAX_LEASE_GRACE_S = 600.0
 
 
@@ -65,7 +66,7 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
     # grant and answers with their digest; a decode sums what it wrote and fails the pull on a mismatch.
     # Both sides need it on. Costs one read of the request's bytes on each side
     kv_digest: bool = False
-    nixl_threads: int = 0  # UCX worker threads per agent (0 = backend default)
+    nixl_threads: int = 0  # UCX thread pool per agent: each pull split over this many threads (0 = none)
     telemetry: bool = False  # NIXL per-transfer telemetry (issued descriptor counts)
     failure_policy: FailurePolicy = FailurePolicy.FAIL  # decode: a request whose pull failed fails, or is recomputed
     poll_interval_s: float = 0.001  # I/O loop tick: notifications, deadlines, lease expiry
@@ -134,6 +135,8 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
             raise ConfigError(f"setting loop_cpus ({ENV_PREFIX}LOOP_CPUS): {e}") from None
         if self.kv_digest and not self.confirm_reads:
             raise ConfigError("kv_digest needs confirm_reads: the digest comes with the prefill's lease answer")
+        if not 0 <= self.nixl_threads <= MAX_NIXL_THREADS:
+            raise ConfigError(f"nixl_threads must be between 0 and {MAX_NIXL_THREADS}, got {self.nixl_threads}")
         if self.staging_mb < 0:
             raise ConfigError(f"staging_mb must be >= 0, got {self.staging_mb}")
         if self.verdict_bytes < 0 or self.verdict_bytes % 2**20:
