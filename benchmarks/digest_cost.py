@@ -19,7 +19,7 @@ import torch
 
 from kvconnect.core.cache import KVCache
 from kvconnect.core.digest import block_sums, digest
-from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 
 
 def timed(fn: Callable[[], object], device: str, reps: int) -> list[float]:

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from kvconnect.core.cache import KVCache
-from kvconnect.core.descriptors import PairPlan
-from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.plan.descriptors import PairPlan
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 from kvconnect.core.transports import ipc_gather
 
 

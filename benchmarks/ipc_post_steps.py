@@ -15,8 +15,8 @@ import torch
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import connector_config
 from kvconnect.core.connector import KVConnector
-from kvconnect.core.descriptors import PairPlan
-from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.plan.descriptors import PairPlan
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 from kvconnect.core.transports import ipc_gather
 from kvconnect.harness.prefill import PrefillProcess
 

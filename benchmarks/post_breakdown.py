@@ -13,7 +13,7 @@ import torch
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import connector_config
 from kvconnect.core.connector import KVConnector
-from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 from kvconnect.harness.prefill import PrefillProcess
 
 

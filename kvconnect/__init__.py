@@ -15,6 +15,7 @@ from kvconnect.core.config import (
     connector_config,
 )
 from kvconnect.core.connector import KVConnector
+from kvconnect.core.decode.pull import PullHandle, PullStats
 from kvconnect.core.errors import (
     AuthError,
     ConfigError,
@@ -34,12 +35,11 @@ from kvconnect.core.errors import (
     TransferError,
     TransferTimeoutError,
 )
-from kvconnect.core.layout import CacheSpec, LayoutKind
-from kvconnect.core.lease import new_lease_id
-from kvconnect.core.params import KVTransferParams, parse_kv_transfer_params
-from kvconnect.core.protocol import LeaseState
-from kvconnect.core.pull import PullHandle, PullStats
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
+from kvconnect.core.plan.params import KVTransferParams, parse_kv_transfer_params
+from kvconnect.core.prefill.lease import new_lease_id
 from kvconnect.core.snapshot import ConnectorSnapshot
+from kvconnect.core.wire.protocol import LeaseState
 
 __all__ = [
     "AuthError",

@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvconnect.core import protocol as p
 from kvconnect.core.agent import XferState
 from kvconnect.core.cache import KVCache
-from kvconnect.core.descriptors import PairPlan, PullPlan
+from kvconnect.core.decode.peers import Peer
 from kvconnect.core.errors import PeerGoneError
-from kvconnect.core.peers import Peer
+from kvconnect.core.plan.descriptors import PairPlan, PullPlan
 from kvconnect.core.transports.base import Posted, Transport, TransportKind
+from kvconnect.core.wire import protocol as p
 
 
 def copy_blocks(dst: KVCache, dst_ids: np.ndarray, src: KVCache, src_ids: np.ndarray) -> None:

@@ -8,8 +8,8 @@ from typing import Any
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig, connector_config
 from kvconnect.core.connector import KVConnector
-from kvconnect.core.layout import CacheSpec, LayoutKind
-from kvconnect.core.params import KVTransferParams
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
+from kvconnect.core.plan.params import KVTransferParams
 
 # what every test connector runs with, whatever this shell's KVCONNECT_* variables say: loopback, and the
 # end-to-end KV digest on (conftest.py turns it on for the workers and processes the tests start, too)

@@ -10,9 +10,9 @@ import msgspec
 import numpy as np
 import torch
 
-from kvconnect.core.hetero import plan_sources
-from kvconnect.core.layout import CacheSpec, LayoutKind
-from kvconnect.core.lease import new_lease_id
+from kvconnect.core.plan.hetero import plan_sources
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
+from kvconnect.core.prefill.lease import new_lease_id
 from kvconnect.harness.net import free_port_run
 from kvconnect.harness.prefill import PrefillProcess, reference_kv
 from tests.faultkit import poll_until

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvconnect.core.descriptors import PairPlan, PullPlan
-from kvconnect.core.params import validate_block_ids
+from kvconnect.core.plan.descriptors import PairPlan, PullPlan
+from kvconnect.core.plan.params import validate_block_ids
 
 
 def validated(

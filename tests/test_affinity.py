@@ -13,7 +13,7 @@ import pytest
 
 from kvconnect.core.cache import KVCache
 from kvconnect.core.connector import KVConnector
-from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 from tests.helpers import config_for_tests
 
 SPEC = CacheSpec(

@@ -17,7 +17,7 @@ from kvconnect.core.cache import KVCache
 from kvconnect.core.config import connector_config
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.errors import ConfigError
-from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ from kvconnect.core.cache import KVCache
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.errors import LeaseLostError, PeerGoneError, TransferError, TransferTimeoutError
 from kvconnect.core.faults import FaultHooks
-from kvconnect.core.layout import LayoutKind
+from kvconnect.core.plan.layout import LayoutKind
 from tests.fake_transport import Wire
 from tests.faultkit import poll_until
 from tests.helpers import config_for_tests, spec

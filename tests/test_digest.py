@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvconnect.core.cache import KVCache
 from kvconnect.core.digest import applies, block_sums, digest
-from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 
 
 def cache_of(kind: LayoutKind, token_layout: str, logical: torch.Tensor, dtype: str = "float16") -> KVCache:

@@ -12,7 +12,7 @@ import pytest
 from kvconnect.core.cache import KVCache
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.faults import FaultHooks
-from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 from kvconnect.harness.net import poll_until
 from kvconnect.harness.prefill import PrefillProcess
 from tests.helpers import config_for_tests

@@ -322,7 +322,7 @@ def test_without_confirmation_an_expired_lease_would_be_served() -> None:
     """The hazard the tests above guard against, shown at connector level: with the lease confirmation
     turned off, a pull of an expired, reused lease "succeeds" with someone else's bytes."""
     from kvconnect.core.errors import LeaseLostError
-    from kvconnect.core.layout import LayoutKind
+    from kvconnect.core.plan.layout import LayoutKind
     from kvconnect.harness.prefill import PrefillProcess
     from tests.helpers import decoder, spec
 
@@ -352,7 +352,7 @@ def test_abandoned_read_lands_after_release_so_blocks_are_held_until_it_ends(mon
     deadline passed; the handle reports unsettled until that READ has ended."""
     monkeypatch.setenv("UCX_TLS", "tcp")  # both agents: cma would read the stopped process's memory anyway
     from kvconnect.core.errors import TransferTimeoutError
-    from kvconnect.core.layout import LayoutKind
+    from kvconnect.core.plan.layout import LayoutKind
     from kvconnect.harness.net import wait_stopped
     from kvconnect.harness.prefill import PrefillProcess
     from tests.helpers import decoder, spec
@@ -390,7 +390,7 @@ def test_pull_waiting_on_a_peer_that_moved_fails_instead_of_hanging() -> None:
     import socket
 
     from kvconnect.core.errors import PeerGoneError
-    from kvconnect.core.layout import LayoutKind
+    from kvconnect.core.plan.layout import LayoutKind
     from kvconnect.harness.prefill import PrefillProcess
     from tests.helpers import decoder, params_to, spec
 

@@ -11,10 +11,10 @@ import msgspec
 import pytest
 import zmq
 
-from kvconnect.core import protocol as p
 from kvconnect.core.errors import AuthError, HandshakeError, HandshakeTimeoutError
-from kvconnect.core.handshake import PeerChannel, SideChannelServer, now_ms, request, zmq_address
-from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
+from kvconnect.core.wire import protocol as p
+from kvconnect.core.wire.handshake import PeerChannel, SideChannelServer, now_ms, request, zmq_address
 
 SPEC = CacheSpec(
     kind=LayoutKind.BLOCKS_FIRST, dtype="float16", num_layers=2, num_blocks=8, block_size=16, num_kv_heads=1, head_dim=8
@@ -199,7 +199,7 @@ def _answer(server: SideChannelServer, msg: p.Hello | p.LeaseRequest) -> p.Reply
 def test_the_replay_cache_is_bounded_by_time_and_refuses_rather_than_forgets(ctx, monkeypatch) -> None:
     """A nonce is remembered until its message is too old to be accepted anyway; when the cache is full of
     nonces still in the window, new messages are refused: an evicted nonce would be replayable."""
-    from kvconnect.core import handshake
+    from kvconnect.core.wire import handshake
 
     clock = [1_000_000_000]
     monkeypatch.setattr(handshake, "now_ms", lambda: clock[0])
@@ -256,7 +256,7 @@ def test_a_flood_is_served_in_bounded_batches_so_the_loop_keeps_ticking(ctx) -> 
     """poll() drained the socket whole while the connector held its tick lock: garbage frames at a prefill
     kept its loop from expiring leases, draining notifications or driving pulls. One poll now serves at most
     MAX_PER_POLL messages; the rest wait for the next one."""
-    from kvconnect.core.handshake import MAX_PER_POLL
+    from kvconnect.core.wire.handshake import MAX_PER_POLL
 
     server = SideChannelServer(ctx, "127.0.0.1", 0, handler, b"s3cret")
     flood = ctx.socket(zmq.DEALER)
@@ -285,7 +285,7 @@ def test_refusals_are_logged_rate_limited_and_truncated(ctx, caplog) -> None:
 
     server = SideChannelServer(ctx, "127.0.0.1", 0, handler, b"s3cret")
     try:
-        with caplog.at_level(logging.WARNING, logger="kvconnect.core.handshake"):
+        with caplog.at_level(logging.WARNING, logger="kvconnect.core.wire.handshake"):
             for _ in range(50):
                 msg = p.sign_request(b"wrong", p.Hello(p.PROTOCOL_VERSION, "x" * 100_000, os.urandom(16), now_ms()))
                 server._answer(p.encode(msg))

@@ -17,11 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvconnect.core.cache import KVCache
-from kvconnect.core.descriptors import PairPlan
+from kvconnect.core.decode.staging import scatter
 from kvconnect.core.errors import InvalidRequestError, LayoutMismatchError
-from kvconnect.core.hetero import Path, plan_source, plan_sources
-from kvconnect.core.layout import CacheSpec, LayoutKind
-from kvconnect.core.staging import scatter
+from kvconnect.core.plan.descriptors import PairPlan
+from kvconnect.core.plan.hetero import Path, plan_source, plan_sources
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 from tests.oracle import plan as full_plan
 
 KINDS = list(LayoutKind)

@@ -12,7 +12,7 @@ from contextlib import ExitStack
 import msgspec
 import pytest
 
-from kvconnect.core.layout import LayoutKind
+from kvconnect.core.plan.layout import LayoutKind
 from kvconnect.harness.prefill import PrefillProcess
 from tests.faultkit import poll_until
 from tests.helpers import config_for_tests
@@ -47,7 +47,7 @@ def test_tp_size_that_cannot_split_the_heads_is_refused_naming_it() -> None:
 
 
 def test_pull_paths_reach_the_metrics() -> None:
-    from kvconnect.core.pull import PullStats
+    from kvconnect.core.decode.pull import PullStats
     from kvconnect.serving.metrics import WorkerMetrics
 
     metrics = WorkerMetrics()

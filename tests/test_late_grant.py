@@ -11,8 +11,8 @@ import pytest
 from kvconnect.core.cache import KVCache
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.errors import LeaseLostError
-from kvconnect.core.layout import CacheSpec, LayoutKind
-from kvconnect.core.lease import new_lease_id
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
+from kvconnect.core.prefill.lease import new_lease_id
 from kvconnect.harness.prefill import PrefillProcess
 from tests.faultkit import poll_until
 from tests.helpers import config_for_tests

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvconnect.core.cache import KVCache
-from kvconnect.core.descriptors import PairPlan, strided_descriptor_array
 from kvconnect.core.errors import InvalidRequestError, LayoutError, LayoutMismatchError
-from kvconnect.core.layout import DTYPE_BYTES, CacheSpec, Granularity, LayoutKind, check_compatible
+from kvconnect.core.plan.descriptors import PairPlan, strided_descriptor_array
+from kvconnect.core.plan.layout import DTYPE_BYTES, CacheSpec, Granularity, LayoutKind, check_compatible
 from tests.oracle import merge_runs, validated
 from tests.oracle import plan as full_plan
 

@@ -6,8 +6,8 @@ import pytest
 
 from kvconnect.core.errors import LeaseError
 from kvconnect.core.faults import FaultHooks
-from kvconnect.core.lease import LeaseTable
-from kvconnect.core.protocol import LeaseState
+from kvconnect.core.prefill.lease import LeaseTable
+from kvconnect.core.wire.protocol import LeaseState
 
 
 class Clock:
@@ -189,7 +189,7 @@ def test_several_readers_each_pin_and_the_last_one_frees() -> None:
 
 def test_a_lease_is_bound_to_its_blocks() -> None:
     """Only the leased blocks (or their tail: a decode's prefix hit reads fewer) may be named for a lease."""
-    from kvconnect.core.protocol import blocks_digest
+    from kvconnect.core.wire.protocol import blocks_digest
 
     t, clock, freed = table()
     t.grant("a", [1, 2, 3])
@@ -244,7 +244,7 @@ def test_a_release_that_precedes_its_grant_ends_the_grant_within_the_grace() -> 
 def test_early_releases_are_bounded_whatever_a_peer_sends() -> None:
     """A peer may name any request id and up to a 4 MiB message of block ids: the table remembers at most
     MAX_EARLY_RELEASES of them (the oldest go first), and none whose id is over MAX_EARLY_ID characters."""
-    from kvconnect.core import lease as lease_module
+    from kvconnect.core.prefill import lease as lease_module
 
     clock = Clock()
     t = LeaseTable(10.0, clock, lambda rid, ids: None, grace_s=5.0)

@@ -10,15 +10,15 @@ import msgspec
 import pytest
 import zmq
 
-from kvconnect.core import lease_client
-from kvconnect.core import protocol as p
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import connector_config
 from kvconnect.core.connector import KVConnector
-from kvconnect.core.handshake import request
-from kvconnect.core.hetero import Source
-from kvconnect.core.layout import CacheSpec, LayoutKind
-from kvconnect.core.lease import new_lease_id
+from kvconnect.core.plan.hetero import Source
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
+from kvconnect.core.prefill.lease import new_lease_id
+from kvconnect.core.wire import lease_client
+from kvconnect.core.wire import protocol as p
+from kvconnect.core.wire.handshake import request
 from kvconnect.harness.net import free_port_run, poll_until
 from kvconnect.serving.proxy import Proxy
 

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvconnect.core import protocol as p
 from kvconnect.core.errors import InvalidRequestError, ProtocolError
-from kvconnect.core.layout import CacheSpec, LayoutKind
-from kvconnect.core.params import parse_kv_transfer_params
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
+from kvconnect.core.plan.params import parse_kv_transfer_params
+from kvconnect.core.wire import protocol as p
 
 GOOD = {
     "do_remote_prefill": True,

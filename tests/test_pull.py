@@ -23,8 +23,8 @@ from kvconnect.core.errors import (
     TransferError,
     TransferTimeoutError,
 )
-from kvconnect.core.layout import LayoutKind
-from kvconnect.core.params import KVTransferParams
+from kvconnect.core.plan.layout import LayoutKind
+from kvconnect.core.plan.params import KVTransferParams
 from kvconnect.harness.prefill import PrefillProcess
 from tests.faultkit import poll_until
 from tests.helpers import decoder, params_to, spec
@@ -267,7 +267,7 @@ def test_prefill_restart_under_same_engine_id() -> None:
 def test_a_peer_set_up_that_raises_fails_its_pulls_at_once_and_is_handshaken_again(prefills, monkeypatch) -> None:
     """Any exception after the remote agent was added (here a RuntimeError building the transport) ends the
     waiting pulls with a named error, drops the half-made peer, and the next pull handshakes afresh."""
-    from kvconnect.core import peers
+    from kvconnect.core.decode import peers
     from kvconnect.core.errors import HandshakeError
 
     real = peers.NixlRead

@@ -12,17 +12,17 @@ import types
 import msgspec
 import pytest
 
-from kvconnect.core import lease_client
-from kvconnect.core import protocol as p
 from kvconnect.core.cache import KVCache
-from kvconnect.core.confirm import LeaseConfirmation
 from kvconnect.core.connector import KVConnector
+from kvconnect.core.decode.confirm import LeaseConfirmation
+from kvconnect.core.decode.peers import MAX_STAGING_POOLS, Peer
+from kvconnect.core.decode.pull import PinState, Pull
 from kvconnect.core.errors import KVConnectError, LayoutMismatchError, LeaseLostError
-from kvconnect.core.hetero import Source
-from kvconnect.core.layout import CacheSpec, LayoutKind
-from kvconnect.core.params import KVTransferParams
-from kvconnect.core.peers import MAX_STAGING_POOLS, Peer
-from kvconnect.core.pull import PinState, Pull
+from kvconnect.core.plan.hetero import Source
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
+from kvconnect.core.plan.params import KVTransferParams
+from kvconnect.core.wire import lease_client
+from kvconnect.core.wire import protocol as p
 from kvconnect.harness.prefill import PrefillProcess
 from kvconnect.serving.serve import exposure_warning
 from tests.faultkit import poll_until

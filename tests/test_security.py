@@ -18,12 +18,12 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvconnect.core import lease_client
-from kvconnect.core import protocol as p
 from kvconnect.core.errors import AuthError, InvalidRequestError, ProtocolError
-from kvconnect.core.handshake import request as side_request
-from kvconnect.core.handshake import zmq_address
-from kvconnect.core.params import parse_kv_transfer_params
+from kvconnect.core.plan.params import parse_kv_transfer_params
+from kvconnect.core.wire import lease_client
+from kvconnect.core.wire import protocol as p
+from kvconnect.core.wire.handshake import request as side_request
+from kvconnect.core.wire.handshake import zmq_address
 from kvconnect.harness.cluster import Cluster
 from kvconnect.serving import openai_api as api
 from tests.faultkit import decode_leg, health, idle, metric, poll_until, prefill_leg, reference
@@ -302,7 +302,7 @@ def test_reply_decoder_fuzz_random_bytes(data: bytes) -> None:
 
 
 def _valid_replies() -> list[bytes]:
-    from kvconnect.core.layout import CacheSpec, LayoutKind
+    from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 
     spec = CacheSpec(
         kind=LayoutKind.CROSS_LAYER,

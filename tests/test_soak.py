@@ -190,10 +190,10 @@ class Attacks:
             t.join(120)
 
     def _replays(self) -> None:
-        from kvconnect.core import lease_client
-        from kvconnect.core import protocol as p
-        from kvconnect.core.handshake import request as side_request
-        from kvconnect.core.hetero import Source
+        from kvconnect.core.plan.hetero import Source
+        from kvconnect.core.wire import lease_client
+        from kvconnect.core.wire import protocol as p
+        from kvconnect.core.wire.handshake import request as side_request
 
         ctx = zmq.Context()
         n = 0

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from kvconnect.core.cache import KVCache
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.errors import LayoutError, LayoutMismatchError
-from kvconnect.core.hetero import Path, plan_source, plan_sources
-from kvconnect.core.layout import LayoutKind
+from kvconnect.core.plan.hetero import Path, plan_source, plan_sources
+from kvconnect.core.plan.layout import LayoutKind
 from kvconnect.harness.prefill import PrefillProcess
 from kvconnect.harness.vllm_shapes import packed_views, split_views
 from kvconnect.vllm.layout import describe
@@ -215,7 +215,7 @@ def test_pages_that_cannot_pair_are_refused_at_planning_naming_the_field() -> No
     with pytest.raises(LayoutMismatchError, match="whole heads"):
         plan_source(tokens_outer[0].cache.spec, whole.cache.spec, plan_sources(tokens_outer[0].cache.spec, 1).reads[0])
     with pytest.raises(LayoutError, match="cannot be split"):  # nothing finer than a page: no K/V halves
-        from kvconnect.core.layout import Granularity, unit_table
+        from kvconnect.core.plan.layout import Granularity, unit_table
 
         unit_table(cpu.cache.spec, Granularity.HALF)
 

@@ -8,8 +8,8 @@ import re
 
 from kvconnect.bench.report import BenchOptions, Geometry
 from kvconnect.core.errors import ConfigError
-from kvconnect.core.hetero import PATHS as HETERO_PATHS
-from kvconnect.core.layout import DTYPE_BYTES, TOKEN_LAYOUTS, LayoutKind, tp_problem
+from kvconnect.core.plan.hetero import PATHS as HETERO_PATHS
+from kvconnect.core.plan.layout import DTYPE_BYTES, TOKEN_LAYOUTS, LayoutKind, tp_problem
 
 log = logging.getLogger(__name__)
 

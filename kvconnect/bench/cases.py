@@ -10,8 +10,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from kvconnect.bench.report import BenchOptions, Geometry
-from kvconnect.core.hetero import Source, Sources, plan_source, plan_sources
-from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.plan.hetero import Source, Sources, plan_source, plan_sources
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 
 # --- block ids -----------------------------------------------------------------------------------
 

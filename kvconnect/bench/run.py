@@ -39,7 +39,7 @@ from kvconnect.bench.args import add_arguments as add_arguments  # the CLI finds
 from kvconnect.bench.args import check_tp_pairs, options_from_args
 from kvconnect.bench.report import SCHEMA, BenchOptions, BenchReport
 from kvconnect.core.errors import ConfigError, KVConnectError
-from kvconnect.core.layout import LayoutKind
+from kvconnect.core.plan.layout import LayoutKind
 
 log = logging.getLogger(__name__)
 

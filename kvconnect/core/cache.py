@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvconnect.core.errors import LayoutError
-from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 
 TORCH_DTYPES = {  # (uint8 is also how an engine's opaque pages are registered)
     "float32": torch.float32,

@@ -27,22 +27,22 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import zmq
 
-from kvconnect.core import protocol as p
 from kvconnect.core.affinity import io_cpus, place_current_thread, threads_started_on
 from kvconnect.core.agent import AgentOptions, MemKind, NixlAgent
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig, TransportChoice
-from kvconnect.core.decode import DecodeSide
+from kvconnect.core.decode.peers import PeerSet, TransportFactory
+from kvconnect.core.decode.pull import Pull, PullHandle, PullStats
+from kvconnect.core.decode.side import DecodeSide
 from kvconnect.core.digest import block_sums
 from kvconnect.core.errors import KVConnectError
 from kvconnect.core.faults import FaultHooks
-from kvconnect.core.handshake import SideChannelServer
-from kvconnect.core.lease import Lease, LeaseTable, new_lease_id
-from kvconnect.core.params import KVTransferParams, validate_block_ids
-from kvconnect.core.peers import PeerSet, TransportFactory
-from kvconnect.core.prefill import PrefillSide, peer_info
-from kvconnect.core.pull import Pull, PullHandle, PullStats
+from kvconnect.core.plan.params import KVTransferParams, validate_block_ids
+from kvconnect.core.prefill.lease import Lease, LeaseTable, new_lease_id
+from kvconnect.core.prefill.side import PrefillSide, peer_info
 from kvconnect.core.snapshot import ConnectorSnapshot, Counters
+from kvconnect.core.wire import protocol as p
+from kvconnect.core.wire.handshake import SideChannelServer
 
 log = logging.getLogger(__name__)
 

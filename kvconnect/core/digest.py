@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kvconnect.core.cache import KVCache
-from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 
 CHUNK_BYTES = 256 * 2**20  # blocks gathered at once on a GPU
 DIGEST_BYTES = 16

@@ -17,7 +17,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 
-from kvconnect.core.protocol import LeaseState
+from kvconnect.core.wire.protocol import LeaseState
 
 ForceExpire = Callable[[str, Callable[[list[int]], None] | None], LeaseState]
 

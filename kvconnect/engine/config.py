@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvconnect.core.errors import ConfigError
-from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 from kvconnect.engine.tokenizer import VOCAB_SIZE
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")

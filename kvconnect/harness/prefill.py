@@ -28,8 +28,8 @@ from typing import Any
 import msgspec
 
 from kvconnect.core.errors import KVConnectError
-from kvconnect.core.layout import CacheSpec
-from kvconnect.core.params import KVTransferParams
+from kvconnect.core.plan.layout import CacheSpec
+from kvconnect.core.plan.params import KVTransferParams
 
 log = logging.getLogger(__name__)
 

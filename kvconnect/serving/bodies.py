@@ -17,7 +17,7 @@ from starlette.requests import Request
 
 from kvconnect.core.config import env_int
 from kvconnect.core.errors import InvalidRequestError
-from kvconnect.core.params import KVTransferParams, parse_kv_transfer_params
+from kvconnect.core.plan.params import KVTransferParams, parse_kv_transfer_params
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 

@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Any
 
-from kvconnect.core.layout import LayoutKind
+from kvconnect.core.plan.layout import LayoutKind
 from kvconnect.harness.cluster import Cluster, complete
 
 PROMPTS = [

@@ -18,10 +18,10 @@ from collections.abc import Callable
 
 from kvconnect.core.config import FailurePolicy
 from kvconnect.core.connector import KVConnector
+from kvconnect.core.decode.pull import PullHandle
 from kvconnect.core.errors import InvalidRequestError, KVConnectError
-from kvconnect.core.lease_client import release_after_failure
-from kvconnect.core.params import KVTransferParams
-from kvconnect.core.pull import PullHandle
+from kvconnect.core.plan.params import KVTransferParams
+from kvconnect.core.wire.lease_client import release_after_failure
 
 log = logging.getLogger(__name__)
 

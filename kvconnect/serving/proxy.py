@@ -31,10 +31,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvconnect.core import lease_client
 from kvconnect.core.config import env_int, env_setting, secret_from_env
 from kvconnect.core.errors import ConfigError, InvalidRequestError, KVConnectError
-from kvconnect.core.params import parse_kv_transfer_params
+from kvconnect.core.plan.params import parse_kv_transfer_params
+from kvconnect.core.wire import lease_client
 from kvconnect.serving.bodies import BodyTooLargeError, decode_json, read_body
 from kvconnect.serving.openai_api import error_body
 

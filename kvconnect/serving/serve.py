@@ -21,7 +21,7 @@ from kvconnect.core.config import (
     env_setting,
 )
 from kvconnect.core.errors import ConfigError
-from kvconnect.core.layout import LayoutKind
+from kvconnect.core.plan.layout import LayoutKind
 from kvconnect.engine.config import EngineConfig
 from kvconnect.serving.server import ROLES, Worker
 

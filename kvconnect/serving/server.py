@@ -32,7 +32,7 @@ from kvconnect.core.config import (
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.errors import InvalidRequestError, KVConnectError, LeaseLostError, LocalError
 from kvconnect.core.faults import FaultHooks
-from kvconnect.core.params import parse_kv_transfer_params
+from kvconnect.core.plan.params import parse_kv_transfer_params
 from kvconnect.core.snapshot import ConnectorSnapshot
 from kvconnect.engine.config import EngineConfig
 from kvconnect.engine.engine import Engine

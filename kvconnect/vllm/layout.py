@@ -35,7 +35,7 @@ import torch
 
 from kvconnect.core.cache import TORCH_DTYPES, KVCache
 from kvconnect.core.errors import LayoutError
-from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 
 _DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from vllm.v1.request import RequestStatus
 
-from kvconnect.core.lease import new_lease_id
-from kvconnect.core.params import KVTransferParams
+from kvconnect.core.plan.params import KVTransferParams
+from kvconnect.core.prefill.lease import new_lease_id
 from kvconnect.vllm.metadata import LeaseOrder, PullOrder, StepOrders, WorkerHello
 from kvconnect.vllm.settings import VllmSettings
 

@@ -31,12 +31,12 @@ import torch
 
 from kvconnect.core.config import ConnectorConfig
 from kvconnect.core.connector import KVConnector
+from kvconnect.core.decode.pull import PullHandle, PullStats
 from kvconnect.core.errors import InvalidRequestError, KVConnectError
 from kvconnect.core.faults import FaultHooks
-from kvconnect.core.lease_client import release_after_failure
-from kvconnect.core.params import KVTransferParams, parse_kv_transfer_params
-from kvconnect.core.protocol import LeaseState
-from kvconnect.core.pull import PullHandle, PullStats
+from kvconnect.core.plan.params import KVTransferParams, parse_kv_transfer_params
+from kvconnect.core.wire.lease_client import release_after_failure
+from kvconnect.core.wire.protocol import LeaseState
 from kvconnect.vllm.layout import describe
 from kvconnect.vllm.metadata import PullOrder, StepOrders, WorkerHello
 from kvconnect.vllm.stats import KVConnectStats, failure_reason

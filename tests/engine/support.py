@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from kvconnect.core.errors import KVConnectError
-from kvconnect.core.layout import LayoutKind
+from kvconnect.core.plan.layout import LayoutKind
 from kvconnect.engine import Engine, EngineConfig, ModelConfig, SamplingParams, TokenEvent
 from kvconnect.engine.model import LlamaModel, apply_rope, rms_norm
 

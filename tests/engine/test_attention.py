@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from kvconnect.core.cache import KVCache
 from kvconnect.core.errors import ConfigError
-from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 from kvconnect.engine.attention import (
     AttentionBackend,
     BatchItem,

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvconnect.core.errors import PeerGoneError, TransferError
-from kvconnect.core.layout import LayoutKind
+from kvconnect.core.plan.layout import LayoutKind
 from kvconnect.engine import Engine
 
 from .support import CopyLoader, RecordingKeeper, generate, prompt, small_config, submit, wait_until

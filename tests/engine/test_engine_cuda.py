@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvconnect.core.layout import LayoutKind
+from kvconnect.core.plan.layout import LayoutKind
 from kvconnect.engine import Engine
 
 from .support import CopyLoader, RecordingKeeper, generate, prompt, small_config, submit

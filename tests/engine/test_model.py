@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvconnect.core.cache import KVCache
-from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 from kvconnect.engine import ModelConfig
 from kvconnect.engine.attention import BatchItem, build_batch
 from kvconnect.engine.model import LlamaModel

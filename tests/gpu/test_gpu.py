@@ -11,7 +11,7 @@ import torch
 
 from kvconnect.core.cache import KVCache
 from kvconnect.core.connector import KVConnector
-from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 from kvconnect.harness.prefill import PrefillProcess
 from tests.helpers import config_for_tests
 

@@ -23,7 +23,7 @@ import enum
 import numpy as np
 
 from kvconnect.core.agent import XferState
-from kvconnect.core.descriptors import PullPlan
+from kvconnect.core.plan.descriptors import PullPlan
 
 
 class TransportKind(str, enum.Enum):

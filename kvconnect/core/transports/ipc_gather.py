@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from kvconnect.core.agent import XferState
-from kvconnect.core.descriptors import PairPlan, PullPlan
 from kvconnect.core.errors import NixlError
+from kvconnect.core.plan.descriptors import PairPlan, PullPlan
 from kvconnect.core.transports.base import Posted, Transport, TransportKind
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvconnect.core.agent import NixlAgent, PreppedList, XferHandle, XferState
-from kvconnect.core.descriptors import PairPlan, PullPlan
+from kvconnect.core.plan.descriptors import PairPlan, PullPlan
 from kvconnect.core.transports.base import Posted, Transport, TransportKind
 
 

@@ -17,10 +17,10 @@ import torch
 
 from kvconnect.core.cache import KVCache
 from kvconnect.core.errors import InvalidRequestError
-from kvconnect.core.layout import CacheSpec, LayoutKind
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 
 if TYPE_CHECKING:
-    from kvconnect.core.pull import Pull
+    from kvconnect.core.decode.pull import Pull
 
 
 class StagingPool:

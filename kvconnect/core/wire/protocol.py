@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from kvconnect.core.errors import LayoutError, ProtocolError
-from kvconnect.core.layout import CacheSpec
+from kvconnect.core.plan.layout import CacheSpec
 
 # 2: leases keyed by the prefill's random lease id (`kv_transfer_params.remote_lease_id`) and every PIN,
 # CONFIRM, RELEASE and notification carrying its reader's read token; a version-1 peer is refused by version

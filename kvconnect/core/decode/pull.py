@@ -22,11 +22,11 @@ import numpy as np
 
 from kvconnect.core.agent import XferState
 from kvconnect.core.errors import KVConnectError, PeerGoneError, TransferTimeoutError
-from kvconnect.core.hetero import Source
-from kvconnect.core.layout import CacheSpec
-from kvconnect.core.params import KVTransferParams, validated_pull
-from kvconnect.core.protocol import encode_notif
+from kvconnect.core.plan.hetero import Source
+from kvconnect.core.plan.layout import CacheSpec
+from kvconnect.core.plan.params import KVTransferParams, validated_pull
 from kvconnect.core.transports.base import Posted
+from kvconnect.core.wire.protocol import encode_notif
 
 log = logging.getLogger(__name__)
 

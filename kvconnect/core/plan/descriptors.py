@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvconnect.core.errors import InvalidRequestError, LayoutError
-from kvconnect.core.layout import (
+from kvconnect.core.plan.layout import (
     CacheSpec,
     Granularity,
     UnitTable,

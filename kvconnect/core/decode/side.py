@@ -20,12 +20,15 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from kvconnect.core import protocol as p
 from kvconnect.core.agent import XferState
 from kvconnect.core.allowlist import parse_allowlist
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig
-from kvconnect.core.confirm import LeaseConfirmation
+from kvconnect.core.decode.confirm import LeaseConfirmation
+from kvconnect.core.decode.peers import Peer, PeerSet
+from kvconnect.core.decode.pull import AbandonedReads, PinState, Pull, PullHandle, PullPhase, release_posted
+from kvconnect.core.decode.releases import Releases
+from kvconnect.core.decode.staging import place
 from kvconnect.core.errors import (
     HandshakeError,
     HandshakeTimeoutError,
@@ -36,12 +39,9 @@ from kvconnect.core.errors import (
     TransferError,
     TransferTimeoutError,
 )
-from kvconnect.core.params import KVTransferParams
-from kvconnect.core.peers import Peer, PeerSet
-from kvconnect.core.pull import AbandonedReads, PinState, Pull, PullHandle, PullPhase, release_posted
-from kvconnect.core.releases import Releases
+from kvconnect.core.plan.params import KVTransferParams
 from kvconnect.core.snapshot import Counters
-from kvconnect.core.staging import place
+from kvconnect.core.wire import protocol as p
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from kvconnect.core import protocol as p
 from kvconnect.core.errors import AuthError, HandshakeError, HandshakeTimeoutError, ProtocolError
+from kvconnect.core.wire import protocol as p
 
 log = logging.getLogger(__name__)
 

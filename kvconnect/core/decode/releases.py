@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import logging
 
-from kvconnect.core import lease_client
 from kvconnect.core.allowlist import AllowList
-from kvconnect.core.params import KVTransferParams
-from kvconnect.core.peers import PeerSet, peer_key
-from kvconnect.core.pull import Pull
+from kvconnect.core.decode.peers import PeerSet, peer_key
+from kvconnect.core.decode.pull import Pull
+from kvconnect.core.plan.params import KVTransferParams
+from kvconnect.core.wire import lease_client
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvconnect.core.errors import LeaseError
-from kvconnect.core.protocol import LeaseState, blocks_digest
+from kvconnect.core.wire.protocol import LeaseState, blocks_digest
 
 log = logging.getLogger(__name__)
 

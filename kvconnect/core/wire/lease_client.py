@@ -26,11 +26,11 @@ from collections.abc import Sequence
 import numpy as np
 import zmq
 
-from kvconnect.core import protocol as p
 from kvconnect.core.errors import AuthError, InvalidRequestError, KVConnectError, LeaseLostError
-from kvconnect.core.handshake import PeerChannel, request
-from kvconnect.core.hetero import Source
-from kvconnect.core.params import KVTransferParams
+from kvconnect.core.plan.hetero import Source
+from kvconnect.core.plan.params import KVTransferParams
+from kvconnect.core.wire import protocol as p
+from kvconnect.core.wire.handshake import PeerChannel, request
 
 NON_READER = -1
 SHORT_CHANNELS_MAX = 64  # release-only channels open at once, across every prefill

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 
-from kvconnect.core import protocol as p
 from kvconnect.core.agent import NixlAgent
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig, TransportChoice
 from kvconnect.core.digest import digest
 from kvconnect.core.errors import KVConnectError
-from kvconnect.core.lease import LeaseTable
+from kvconnect.core.prefill.lease import LeaseTable
 from kvconnect.core.snapshot import Counters
+from kvconnect.core.wire import protocol as p
 
 log = logging.getLogger(__name__)
 READ_OK = (p.LeaseState.HELD, p.LeaseState.COMPLETED)  # answers that let a read count: they carry the digest

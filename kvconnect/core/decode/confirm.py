@@ -26,15 +26,15 @@ import hmac
 import time
 from collections.abc import Callable
 
-from kvconnect.core import lease_client
-from kvconnect.core import protocol as p
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig
+from kvconnect.core.decode.peers import Peer
+from kvconnect.core.decode.pull import PinState, Pull, PullPhase
 from kvconnect.core.digest import applies, block_sums, digest
 from kvconnect.core.errors import DigestError, HandshakeError, KVConnectError, LeaseLostError, PeerGoneError
-from kvconnect.core.hetero import Path
-from kvconnect.core.peers import Peer
-from kvconnect.core.pull import PinState, Pull, PullPhase
+from kvconnect.core.plan.hetero import Path
+from kvconnect.core.wire import lease_client
+from kvconnect.core.wire import protocol as p
 
 BLOCKS_REFUSED = "block_ids:"  # how the prefill's lease table starts a refusal of blocks it did not lease
 ASK_AGAIN_S = (0.002, 0.05)  # first and longest wait before asking again about a lease not granted yet

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from kvconnect.core.descriptors import PairPlan
 from kvconnect.core.errors import LayoutMismatchError
-from kvconnect.core.layout import (
+from kvconnect.core.plan.descriptors import PairPlan
+from kvconnect.core.plan.layout import (
     CacheSpec,
     Granularity,
     UnitTable,

@@ -23,7 +23,7 @@ import msgspec
 import numpy as np
 
 from kvconnect.core.errors import InvalidRequestError
-from kvconnect.core.layout import tp_problem
+from kvconnect.core.plan.layout import tp_problem
 
 FIELD = "kv_transfer_params"
 PULL_FIELDS = (

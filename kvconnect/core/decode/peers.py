@@ -17,22 +17,22 @@ from typing import TYPE_CHECKING
 import numpy as np
 import zmq
 
-from kvconnect.core import protocol as p
 from kvconnect.core.agent import MemKind, NixlAgent, PreppedList
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig, TransportChoice
-from kvconnect.core.descriptors import PairPlan, strided_descriptor_array, token_span
+from kvconnect.core.decode.staging import StagingPool, reserve
 from kvconnect.core.errors import InvalidRequestError, LayoutMismatchError
-from kvconnect.core.handshake import PeerChannel
-from kvconnect.core.hetero import Path, Source, SourcePlan, Sources, plan_source, plan_sources
-from kvconnect.core.layout import CacheSpec
-from kvconnect.core.lease_client import ShortChannels
-from kvconnect.core.staging import StagingPool, reserve
+from kvconnect.core.plan.descriptors import PairPlan, strided_descriptor_array, token_span
+from kvconnect.core.plan.hetero import Path, Source, SourcePlan, Sources, plan_source, plan_sources
+from kvconnect.core.plan.layout import CacheSpec
 from kvconnect.core.transports.base import Transport
 from kvconnect.core.transports.nixl_read import NixlRead
+from kvconnect.core.wire import protocol as p
+from kvconnect.core.wire.handshake import PeerChannel
+from kvconnect.core.wire.lease_client import ShortChannels
 
 if TYPE_CHECKING:
-    from kvconnect.core.pull import Pull
+    from kvconnect.core.decode.pull import Pull
 
 log = logging.getLogger(__name__)
 # the transport for a peer that is otherwise ready, or None for kvconnect's own choice (IPC gather or NIXL):
