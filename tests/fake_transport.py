@@ -23,9 +23,9 @@ import numpy as np
 
 from kvconnect.core.agent import XferState
 from kvconnect.core.cache import KVCache
-from kvconnect.core.decode.peers import Peer
 from kvconnect.core.errors import PeerGoneError
 from kvconnect.core.plan.descriptors import PairPlan, PullPlan
+from kvconnect.core.plan.hetero import SourcePlan
 from kvconnect.core.transports.base import Posted, Transport, TransportKind
 from kvconnect.core.wire import protocol as p
 
@@ -57,13 +57,17 @@ class Wire:
         with self.lock:
             self.hold = False
 
-    def factory(self, local: KVCache):
-        """A `TransportFactory` for a decode connector whose cache is `local`."""
+    def path(self) -> type[Transport]:
+        """The fake as a fast path (`KVConnector(fast_paths=...)`) for a decode connector: it opens to any peer
+        that offers it (a prefill built with `fast_paths=(FakeTransport,)`) whose cache this wire serves."""
+        wire = self
 
-        def make(peer: Peer, info: p.PeerInfo, pair: PairPlan) -> Transport:
-            return FakeTransport(self, local, self.caches[info.agent_name], pair)
+        class OnThisWire(FakeTransport):
+            @classmethod
+            def open(cls, offer: bytes, info: p.PeerInfo, plan: SourcePlan, cache: KVCache) -> Transport:
+                return FakeTransport(wire, cache, wire.caches[info.agent_name], plan.pair)
 
-        return make
+        return OnThisWire
 
 
 class FakePosted(Posted):
@@ -95,6 +99,10 @@ class FakePosted(Posted):
 class FakeTransport(Transport):
     kind = TransportKind.MEMORY
     notifies = False  # (the prefill learns of a read only from the decode's confirmation)
+
+    @classmethod
+    def offer(cls, cache: KVCache) -> bytes:
+        return b"in-process"  # (what a prefill built with this path offers; `Wire.path` opens it)
 
     def __init__(self, wire: Wire, local: KVCache, remote: KVCache, pair: PairPlan) -> None:
         self._wire, self._local, self._remote, self._pair = wire, local, remote, pair

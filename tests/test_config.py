@@ -181,7 +181,7 @@ def loop_cpus_of_a_connector_made_on(cpus: set[int], **config: str) -> set[int]:
         )
         with KVConnector(KVCache.allocate(spec), connector_config({}, **config)) as conn:
             conn.wait_idle()  # (the loop has placed itself)
-            native_id = conn._thread.native_id
+            native_id = conn._loop._thread.native_id
             assert native_id is not None
             out["cpus"] = os.sched_getaffinity(native_id)
 

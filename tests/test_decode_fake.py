@@ -16,7 +16,7 @@ from kvconnect.core.connector import KVConnector
 from kvconnect.core.errors import LeaseLostError, PeerGoneError, TransferError, TransferTimeoutError
 from kvconnect.core.faults import FaultHooks
 from kvconnect.core.plan.layout import LayoutKind
-from tests.fake_transport import Wire
+from tests.fake_transport import FakeTransport, Wire
 from tests.faultkit import poll_until
 from tests.helpers import config_for_tests, spec
 
@@ -25,7 +25,7 @@ from tests.helpers import config_for_tests, spec
 def prefill() -> Iterator[KVConnector]:
     cache = KVCache.allocate(spec(LayoutKind.CROSS_LAYER))
     cache.fill_pattern(7)
-    with KVConnector(cache, config_for_tests(), faults=FaultHooks()) as conn:
+    with KVConnector(cache, config_for_tests(), faults=FaultHooks(), fast_paths=(FakeTransport,)) as conn:
         yield conn
 
 
@@ -38,7 +38,7 @@ def wire(prefill: KVConnector) -> Wire:
 
 def decoder(wire: Wire, kind: LayoutKind = LayoutKind.BLOCKS_FIRST, **config) -> KVConnector:
     cache = KVCache.allocate(spec(kind, 32))
-    return KVConnector(cache, config_for_tests(**config), transports=wire.factory(cache))
+    return KVConnector(cache, config_for_tests(**config), fast_paths=(wire.path(),))
 
 
 def rid() -> str:

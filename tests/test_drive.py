@@ -55,7 +55,7 @@ def test_a_driving_thread_completes_a_pull_while_the_loop_thread_is_held(prefill
 def test_drive_never_waits_for_a_tick_in_progress() -> None:
     entered, leave = threading.Event(), threading.Event()
     with decoder() as dec:
-        dec._call(lambda: (entered.set(), leave.wait(30)))  # the loop thread blocks inside its tick
+        dec._loop.call(lambda: (entered.set(), leave.wait(30)))  # the loop thread blocks inside its tick
         poll_until(entered.is_set, what="the loop thread entered its tick")
         try:
             assert dec.drive() is False

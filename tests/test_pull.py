@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import zmq
 
+from kvconnect.core.cache import KVCache
+from kvconnect.core.connector import KVConnector
 from kvconnect.core.errors import (
     AuthError,
     DigestError,
@@ -22,12 +24,13 @@ from kvconnect.core.errors import (
     LeaseLostError,
     TransferError,
     TransferTimeoutError,
+    TransportUnavailableError,
 )
 from kvconnect.core.plan.layout import LayoutKind
 from kvconnect.core.plan.params import KVTransferParams
 from kvconnect.harness.prefill import PrefillProcess
 from tests.faultkit import poll_until
-from tests.helpers import decoder, params_to, spec
+from tests.helpers import config_for_tests, decoder, params_to, spec
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +39,10 @@ def prefills():
     yield procs
     for proc in procs.values():
         proc.stop()
+
+
+def connector_for(kind: LayoutKind, fast_paths, **config) -> KVConnector:
+    return KVConnector(KVCache.allocate(spec(kind, 32)), config_for_tests(**config), fast_paths=fast_paths)
 
 
 def rid() -> str:
@@ -335,25 +342,27 @@ def test_the_peer_allowlist_refuses_a_host_before_any_connection() -> None:
                 listener.accept()
 
 
-def test_an_ipc_gather_that_cannot_compile_leaves_nixl_and_says_so(prefills, monkeypatch) -> None:
+def test_an_ipc_gather_that_cannot_compile_leaves_nixl_and_says_so(prefills) -> None:
     """The start-up compile of the IPC gather failing (a CUDA image without a C compiler) is one warning and
     a gauge; peers then use NIXL, and a connector told to use only IPC refuses them naming why."""
-    from kvconnect.core.transports import ipc_gather
+    from kvconnect.core.transports.ipc_gather import IpcTransport, PeerCopyError
 
-    def no_compiler(device):
-        raise RuntimeError("failed to find a C compiler")
+    class NoCompiler(IpcTransport):  # (as on a GPU: the path applies to this cache, its warm-up fails)
+        @classmethod
+        def applies(cls, cache) -> bool:
+            return True
 
-    monkeypatch.setattr(ipc_gather, "warm_up", no_compiler)
+        @classmethod
+        def warm_up(cls, cache) -> None:
+            raise PeerCopyError("RuntimeError: failed to find a C compiler")
+
     pre = prefills[LayoutKind.CROSS_LAYER]
-    with decoder(LayoutKind.CROSS_LAYER) as dec:
-        dec._warm_up_gather()  # (what a CUDA connector's loop runs first)
+    with connector_for(LayoutKind.CROSS_LAYER, fast_paths=(NoCompiler,)) as dec:
         assert dec.snapshot().ipc_gather_unavailable == 1
-        request_id = rid()
-        stats = dec.pull(pre.lease(request_id, [6]), [2]).wait(20)
+        stats = dec.pull(pre.lease(rid(), [6]), [2]).wait(20)
         assert stats.transport == "nixl" and dec.cache.block_bytes(2) == pre.ask("block", 6)
-    with decoder(LayoutKind.CROSS_LAYER, transport="ipc") as dec:
-        dec._warm_up_gather()
-        with pytest.raises(ipc_gather.PeerCopyError, match="IPC gather is unavailable here: RuntimeError: failed to"):
+    with connector_for(LayoutKind.CROSS_LAYER, fast_paths=(NoCompiler,), transport="ipc") as dec:
+        with pytest.raises(TransportUnavailableError, match="ipc: unavailable here .RuntimeError: failed to find a C"):
             dec.pull(pre.lease(rid(), [7]), [3]).wait(20)
 
 

@@ -61,6 +61,11 @@ class NixlError(KVConnectError):
     """NIXL raised or returned an error that has no more specific meaning."""
 
 
+class TransportUnavailableError(NixlError):
+    """A transport cannot serve this peer or this process (another host, no kernel compiler, a plan it cannot
+    move); the caller falls back to NIXL unless that transport was required."""
+
+
 # --- remote --------------------------------------------------------------------------------------
 
 

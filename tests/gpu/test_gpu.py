@@ -3,6 +3,7 @@ gather, same-GPU and cross-GPU, byte-exact, and attention over the pulled cache.
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import numpy as np
@@ -122,3 +123,33 @@ def test_heterogeneous_tp_groups_on_vram(case: str) -> None:
     count = torch.cuda.device_count()
     stats = run_group(case, lambda side, rank: f"cuda:{(rank + (side == 'decode')) % count}")
     assert all(s["bytes"] > 0 for s in stats)
+
+
+def test_a_connector_built_right_before_a_graph_capture_leaves_the_capture_valid() -> None:
+    """vLLM captures CUDA graphs (global capture mode) right after it registers its KV cache. The IPC gather's
+    warm-up then ran on the connector's loop thread and invalidated the capture ("operation not permitted when
+    stream is capturing"): the engine failed to start. Now the warm-up is done when the connector returns,
+    and the loop thread's own CUDA calls run in relaxed capture mode."""
+    from kvconnect.core.device import CAPTURE_MODE_RELAXED, capture_mode
+
+    torch.cuda.set_device(0)
+    x = torch.zeros(1, device="cuda:0")
+    cache = KVCache.allocate(spec(LayoutKind.BLOCKS_FIRST, 16), device="cuda:0")
+    with KVConnector(cache, config_for_tests()) as conn:  # (transport auto: the IPC gather warms up)
+        graph, launches = torch.cuda.CUDAGraph(), 0
+        window_end = time.monotonic() + 2.0  # keep the capture open while the loop thread starts and settles
+        with torch.cuda.graph(graph):  # torch's default capture mode is global, as vLLM's
+            while time.monotonic() < window_end:
+                x.add_(1)
+                launches += 1
+                tick_end = time.monotonic() + 0.01
+                while time.monotonic() < tick_end:  # (a window held open, not a wait for anything)
+                    pass
+        graph.replay()
+        torch.cuda.synchronize()
+        assert x.item() == launches > 0
+        modes: list[int | None] = []
+        conn._loop.call(lambda: modes.append(capture_mode()))
+        conn.wait_idle()
+        assert modes == [CAPTURE_MODE_RELAXED]
+        assert conn.snapshot().ipc_gather_unavailable == 0

@@ -10,7 +10,6 @@ staging caches are shared by every peer that needs the same one. Loop thread onl
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -19,14 +18,15 @@ import zmq
 
 from kvconnect.core.agent import MemKind, NixlAgent, PreppedList
 from kvconnect.core.cache import KVCache
-from kvconnect.core.config import ConnectorConfig, TransportChoice
+from kvconnect.core.config import ConnectorConfig
 from kvconnect.core.decode.staging import StagingPool, reserve
 from kvconnect.core.errors import InvalidRequestError, LayoutMismatchError
-from kvconnect.core.plan.descriptors import PairPlan, strided_descriptor_array, token_span
+from kvconnect.core.plan.descriptors import strided_descriptor_array, token_span
 from kvconnect.core.plan.hetero import Path, Source, SourcePlan, Sources, plan_source, plan_sources
 from kvconnect.core.plan.layout import CacheSpec
 from kvconnect.core.transports.base import Transport
 from kvconnect.core.transports.nixl_read import NixlRead
+from kvconnect.core.transports.registry import FastPaths
 from kvconnect.core.wire import protocol as p
 from kvconnect.core.wire.handshake import PeerChannel
 from kvconnect.core.wire.lease_client import ShortChannels
@@ -35,9 +35,6 @@ if TYPE_CHECKING:
     from kvconnect.core.decode.pull import Pull
 
 log = logging.getLogger(__name__)
-# the transport for a peer that is otherwise ready, or None for kvconnect's own choice (IPC gather or NIXL):
-# how tests put a fake in-memory transport behind the same state machine (tests/fake_transport.py)
-TransportFactory = Callable[["Peer", p.PeerInfo, PairPlan], "Transport | None"]
 MAX_STAGING_POOLS = 4  # staging caches (one per remote shape, up to staging_mb each) a decode allocates at most
 
 
@@ -80,12 +77,10 @@ class PeerSet:
         config: ConnectorConfig,
         ctx: zmq.Context,
         secret: bytes,
-        ipc_problem: Callable[[], str] = lambda: "",
-        make_transport: TransportFactory | None = None,
+        fast_paths: FastPaths,
     ) -> None:
         self._agent = agent
-        self._make_transport = make_transport
-        self._ipc_problem = ipc_problem
+        self._fast_paths = fast_paths
         self._cache = cache
         self._config = config
         self._ctx = ctx
@@ -177,9 +172,7 @@ class PeerSet:
             MemKind.for_device(info.spec.device),
         )
         local_list = self._local_list(plan)
-        peer.transport = self._make_transport(peer, info, plan.pair) if self._make_transport is not None else None
-        if peer.transport is None and plan.path is Path.BLOCK:
-            peer.transport = self._same_host_transport(peer, info, plan.pair)
+        peer.transport = self._fast_paths.open(info, plan, self._cache, peer.key)
         if peer.transport is None:
             peer.transport = NixlRead(self._agent, plan.pair, local_list, remote_list)
 
@@ -267,27 +260,3 @@ class PeerSet:
                 self._mem,
             )
         return self._local_lists[key]
-
-    def _same_host_transport(self, peer: Peer, info: p.PeerInfo, pair: PairPlan) -> Transport | None:
-        """The CUDA IPC gather for a same-host GPU peer when allowed (None: use NIXL)."""
-        choice = self._config.transport
-        if choice is TransportChoice.NIXL:
-            return None
-        from kvconnect.core.transports import ipc_gather
-
-        problem = self._ipc_problem()
-        if problem:  # (the start-up compile failed: say why once per peer, or refuse when only IPC will do)
-            if choice is TransportChoice.IPC:
-                raise ipc_gather.PeerCopyError(f"transport=ipc, but the IPC gather is unavailable here: {problem}")
-            log.info("peer %s: IPC gather unavailable here (%s); using NIXL", peer.engine_id, problem)
-            return None
-        if self._cache.spec.device != "cuda" or info.spec.device != "cuda":
-            return None
-
-        try:
-            return ipc_gather.IpcTransport.open(info, pair, self._cache)
-        except ipc_gather.PeerCopyError as e:
-            if choice is TransportChoice.IPC:
-                raise
-            log.info("peer %s: CUDA IPC gather unavailable (%s); using NIXL", peer.engine_id, e)
-            return None

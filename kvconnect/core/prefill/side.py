@@ -12,7 +12,7 @@ import logging
 
 from kvconnect.core.agent import NixlAgent
 from kvconnect.core.cache import KVCache
-from kvconnect.core.config import ConnectorConfig, TransportChoice
+from kvconnect.core.config import ConnectorConfig
 from kvconnect.core.digest import digest
 from kvconnect.core.errors import KVConnectError
 from kvconnect.core.prefill.lease import LeaseTable
@@ -24,22 +24,15 @@ READ_OK = (p.LeaseState.HELD, p.LeaseState.COMPLETED)  # answers that let a read
 
 
 def peer_info(
-    engine_id: str, incarnation_id: str, agent: NixlAgent, cache: KVCache, config: ConnectorConfig
+    engine_id: str,
+    incarnation_id: str,
+    agent: NixlAgent,
+    cache: KVCache,
+    config: ConnectorConfig,
+    offers: dict[str, bytes],
 ) -> p.PeerInfo:
-    """The handshake answer: the agent, the cache's spec and regions, and (CUDA, unless only NIXL is
-    allowed) the IPC handles a same-host peer maps the regions from."""
-    ipc_handles: list[bytes] = []
-    ipc_offsets: list[int] = []
-    host = ""
-    if cache.spec.device == "cuda" and config.transport is not TransportChoice.NIXL:
-        from kvconnect.core.transports import ipc_gather
-
-        try:
-            exported = [ipc_gather.export_region(addr) for addr in cache.base_addrs()]
-            ipc_handles, ipc_offsets = [h for h, _ in exported], [o for _, o in exported]
-            host = ipc_gather.host_id()
-        except ipc_gather.PeerCopyError as e:
-            log.warning("CUDA IPC export unavailable, peers will use NIXL: %s", e)
+    """The handshake answer: the agent, the cache's spec and regions, and what each fast path offers
+    (`transports/registry.py`)."""
     return p.PeerInfo(
         protocol_version=p.PROTOCOL_VERSION,
         engine_id=engine_id,
@@ -49,10 +42,8 @@ def peer_info(
         spec=cache.spec,
         base_addrs=cache.base_addrs(),
         device_id=cache.device_id,
-        host_id=host,
-        ipc_handles=ipc_handles,
-        ipc_offsets=ipc_offsets,
         lease_grace_ms=round(config.lease_grace_s * 1000),
+        offers=dict(offers),
     )
 
 

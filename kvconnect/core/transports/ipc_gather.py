@@ -18,14 +18,20 @@ import ctypes
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 
 from kvconnect.core.agent import XferState
-from kvconnect.core.errors import NixlError
+from kvconnect.core.errors import TransportUnavailableError
 from kvconnect.core.plan.descriptors import PairPlan, PullPlan
+from kvconnect.core.plan.hetero import Path, SourcePlan
 from kvconnect.core.transports.base import Posted, Transport, TransportKind
+
+if TYPE_CHECKING:
+    from kvconnect.core.cache import KVCache
+    from kvconnect.core.wire.protocol import PeerInfo
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +43,19 @@ _RING = 8  # upload slots (gathers in flight before a post waits)
 _PROGRAMS_PER_SM = 8  # the gather's fixed grid
 
 
-class PeerCopyError(NixlError):
+class PeerCopyError(TransportUnavailableError):
     """The CUDA IPC fast path is unavailable or failed; callers fall back to NIXL."""
+
+
+class IpcOffer(msgspec.Struct, array_like=True):
+    """What a prefill offers same-host peers (in `PeerInfo.offers["ipc"]`): where its regions can be mapped."""
+
+    host_id: str  # the kernel's boot id: peers with equal ids may share GPU memory
+    handles: list[bytes]  # per region, the IPC handle of the allocation holding it
+    offsets: list[int]  # per region, its offset inside that allocation
+
+
+_offer_decoder = msgspec.msgpack.Decoder(IpcOffer)
 
 
 class _Handle(ctypes.Structure):
@@ -163,11 +180,11 @@ class IpcGather:
         )
 
     @classmethod
-    def open(cls, info: Any, pair: Any, cache: Any) -> IpcGather:
-        """Map `info`'s regions (a protocol.PeerInfo) for pulls planned by `pair` into `cache`."""
-        if not info.ipc_handles:
+    def open(cls, offer: IpcOffer, pair: Any, cache: Any) -> IpcGather:
+        """Map the regions `offer` names for pulls planned by `pair` into `cache`."""
+        if not offer.handles:
             raise PeerCopyError("peer exports no CUDA IPC handles")
-        if not info.host_id or info.host_id != host_id():
+        if not offer.host_id or offer.host_id != host_id():
             raise PeerCopyError("peer is on another host")
         if pair.unit_bytes % _WORD_BYTES:
             raise PeerCopyError(f"units of {pair.unit_bytes} bytes are not whole {_WORD_BYTES}-byte words")
@@ -177,7 +194,7 @@ class IpcGather:
             raise PeerCopyError(f"triton is not available: {e}") from e
         import torch
 
-        mapped = MappedPeer.open(info.ipc_handles, info.ipc_offsets)
+        mapped = MappedPeer.open(offer.handles, offer.offsets)
         try:
             # its id tensors must be ordinary ones whichever thread opens the peer: a vLLM worker drives the
             # connector inside its forward's inference mode, and a tensor made there cannot be written outside
@@ -321,9 +338,37 @@ class IpcTransport(Transport):
         self._gather = gather
         self._pair = pair
 
+    # --- the path's halves (base.Transport) ---------------------------------------------------------
+
     @classmethod
-    def open(cls, info: Any, pair: PairPlan, cache: Any) -> IpcTransport:
-        return cls(IpcGather.open(info, pair, cache), pair)
+    def applies(cls, cache: KVCache) -> bool:
+        return cache.spec.device == "cuda"
+
+    @classmethod
+    def warm_up(cls, cache: KVCache) -> None:
+        try:
+            warm_up(cache.regions[0].device)
+        except Exception as e:  # Triton needs a C compiler and Python headers at first use
+            raise PeerCopyError(f"{type(e).__name__}: {e}"[:300]) from e
+
+    @classmethod
+    def offer(cls, cache: KVCache) -> bytes:
+        exported = [export_region(addr) for addr in cache.base_addrs()]
+        return msgspec.msgpack.encode(IpcOffer(host_id(), [h for h, _ in exported], [o for _, o in exported]))
+
+    @classmethod
+    def open(cls, offer: bytes, info: PeerInfo, plan: SourcePlan, cache: KVCache) -> IpcTransport:
+        if info.spec.device != "cuda":
+            raise PeerCopyError("the peer's cache is not on a GPU")
+        if plan.path is not Path.BLOCK:
+            raise PeerCopyError(f"the gather moves whole blocks, this pair needs the {plan.path.value} path")
+        try:
+            decoded = _offer_decoder.decode(offer)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise PeerCopyError(f"malformed IPC offer: {e}") from e
+        if len(decoded.handles) != len(info.base_addrs) or len(decoded.offsets) != len(decoded.handles):
+            raise PeerCopyError(f"IPC offer names {len(decoded.handles)} regions, the peer has {len(info.base_addrs)}")
+        return cls(IpcGather.open(decoded, plan.pair, cache), plan.pair)
 
     def order(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self._pair.bounds_checked(local_ids, remote_ids)  # one kernel: issue order is irrelevant

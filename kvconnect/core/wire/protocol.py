@@ -23,9 +23,10 @@ import msgspec
 from kvconnect.core.errors import LayoutError, ProtocolError
 from kvconnect.core.plan.layout import CacheSpec
 
-# 2: leases keyed by the prefill's random lease id (`kv_transfer_params.remote_lease_id`) and every PIN,
-# CONFIRM, RELEASE and notification carrying its reader's read token; a version-1 peer is refused by version
-PROTOCOL_VERSION = 3
+# Peers of another version are refused by version, naming both. 2: leases keyed by the prefill's random lease
+# id and every PIN, CONFIRM, RELEASE and notification carrying its reader's read token; 3: the KV digest;
+# 4: a handshake answer carries each transport's offer (`PeerInfo.offers`) instead of IPC fields of its own
+PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # agent metadata is the largest part (tens of KiB)
 
 
@@ -95,11 +96,10 @@ class PeerInfo(msgspec.Struct, tag="peer_info"):
     base_addrs: list[int]
     device_id: int = 0
     mac: bytes = b""
-    # same-host CUDA fast path (peer_copy.py): where the regions can be mapped from
-    host_id: str = ""
-    ipc_handles: list[bytes] = []
-    ipc_offsets: list[int] = []
     lease_grace_ms: int = 0  # a lease may be granted this long after its params left (config.lease_grace_s)
+    # transport kind -> what a peer needs to open that path to this worker, in the transport's own encoding
+    # (transports/: e.g. "ipc": where a same-host GPU peer maps the regions from). NIXL needs none.
+    offers: dict[str, bytes] = {}
 
 
 class LeaseReply(msgspec.Struct, tag="lease_reply"):
