@@ -13,6 +13,10 @@ Rooms and what each may import (besides itself and third-party libraries):
     serving                     -> core, engine, verdict, harness, the public API
     cli                         -> anything
 Nothing in the package (or scripts/) imports tests.
+
+Inside core, sub-rooms follow a request (`CORE_ALLOWED`): errors <- plan (pure: no I/O library) <- wire <-
+core's own top-level modules (config, agent, cache, digest, ...) <- transports <- prefill | decode <- the
+connector and its loop. The prefill and decode halves never import each other.
 """
 
 from __future__ import annotations
@@ -37,6 +41,30 @@ ALLOWED = {
     "serving": {"core", "engine", "verdict", "harness", "api"},
     "cli": {"core", "engine", "verdict", "vllm", "harness", "bench", "serving", "api"},
 }
+
+
+CORE_ROOMS = ("plan", "wire", "transports", "prefill", "decode")
+CORE_ROOT = ("kvconnect.core.connector", "kvconnect.core.loop")  # the composition: may import all of core
+CORE_ALLOWED = {
+    "errors": set(),
+    "plan": {"errors"},
+    "wire": {"errors", "plan"},
+    "base": {"errors", "plan", "wire"},
+    "transports": {"errors", "plan", "wire", "base"},
+    "prefill": {"errors", "plan", "wire", "base", "transports"},
+    "decode": {"errors", "plan", "wire", "base", "transports"},
+}
+IO_LIBRARIES = {"zmq", "torch", "socket", "threading", "os", "subprocess", "asyncio", "ctypes", "nixl", "triton"}
+
+
+def core_room(module: str) -> str:
+    """kvconnect.core.plan.layout -> plan; kvconnect.core.config -> base; kvconnect.core.errors -> errors."""
+    parts = module.split(".")
+    if len(parts) > 3 and parts[2] in CORE_ROOMS:
+        return parts[2]
+    if parts[2:] in (["errors"], ["__init__"]):
+        return "errors"
+    return parts[2] if parts[2] in CORE_ROOMS else "base"
 
 
 def module_name(path: Path) -> str:
@@ -85,6 +113,10 @@ GRAPH = {name: imported(path) for name, path in MODULES.items()}
 def test_the_graph_sees_the_imports_it_should() -> None:
     # a check that can fail: known edges of the real package are found, TYPE_CHECKING ones included
     assert "kvconnect.core.decode.side" in GRAPH["kvconnect.core.connector"]
+    assert core_room("kvconnect.core.plan.layout") == "plan" and core_room("kvconnect.core.config") == "base"
+    assert (
+        core_room("kvconnect.core.errors") == "errors" and core_room("kvconnect.core.transports.base") == "transports"
+    )
     assert "kvconnect.core.decode.pull" in GRAPH["kvconnect.core.decode.peers"]  # (under TYPE_CHECKING)
     assert room("kvconnect.core.transports.nixl_read") == "core" and room("kvconnect") == "api"
 
@@ -98,6 +130,35 @@ def test_rooms_import_only_downwards(module: str) -> None:
         assert theirs == mine or theirs in ALLOWED[mine], (
             f"{module} ({mine}) imports {target} ({theirs}); {mine} may import {sorted(ALLOWED[mine]) or 'nothing'}"
         )
+
+
+CORE_MODULES = sorted(m for m in MODULES if m.startswith("kvconnect.core.") and m not in CORE_ROOT)
+
+
+@pytest.mark.parametrize("module", CORE_MODULES)
+def test_core_sub_rooms_import_only_downwards(module: str) -> None:
+    mine = core_room(module)
+    for target in sorted(GRAPH[module]):
+        if not target.startswith("kvconnect.core.") or target == "kvconnect.core":
+            continue
+        theirs = core_room(target)
+        assert target not in CORE_ROOT, f"{module} imports the connector's composition ({target})"
+        assert theirs == mine or theirs in CORE_ALLOWED[mine], (
+            f"{module} ({mine}) imports {target} ({theirs}); {mine} may import {sorted(CORE_ALLOWED[mine])}"
+        )
+
+
+def test_the_prefill_and_decode_halves_never_meet_below_the_connector() -> None:
+    for module in CORE_MODULES:
+        room_ = core_room(module)
+        other = {"prefill": "decode", "decode": "prefill"}.get(room_)
+        if other:
+            assert not [t for t in GRAPH[module] if core_room(t) == other], f"{module} imports the {other} half"
+
+
+@pytest.mark.parametrize("module", [m for m in CORE_MODULES if core_room(m) == "plan"])
+def test_planning_imports_no_io_library(module: str) -> None:
+    assert not third_party(MODULES[module]) & IO_LIBRARIES, f"{module}: {third_party(MODULES[module]) & IO_LIBRARIES}"
 
 
 def test_no_import_cycles() -> None:
