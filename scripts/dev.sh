@@ -2,6 +2,7 @@
 # Set up (once, idempotent) and run kvconnect from a fresh clone.
 #   bash scripts/dev.sh demo [args]   # the local prefill/decode demo
 #   bash scripts/dev.sh test [args]   # the test suite (what CI runs)
+#   bash scripts/dev.sh fast [args]   # the fast tier, on every core: no vLLM servers, worker clusters or image replays
 #   bash scripts/dev.sh lint          # ruff format --check, ruff check, mypy (what CI runs before the tests)
 #   bash scripts/dev.sh setup         # only build .venv
 set -euo pipefail
@@ -50,5 +51,6 @@ case "$cmd" in
     "$VENV/bin/ruff" check kvconnect tests scripts benchmarks examples
     exec "$VENV/bin/mypy" kvconnect ;;
   test) setup; exec "$VENV/bin/python" -m pytest -q --durations=15 "$@" ;;
-  *) echo "usage: $0 {demo|test|lint|setup} [args]" >&2; exit 2 ;;
+  fast) setup; exec "$VENV/bin/python" -m pytest -q -n auto -m 'not gpu and not vllm and not network and not cluster' "$@" ;;
+  *) echo "usage: $0 {demo|test|fast|lint|setup} [args]" >&2; exit 2 ;;
 esac

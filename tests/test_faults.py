@@ -31,6 +31,8 @@ from tests.faultkit import (
     scrape,
 )
 
+pytestmark = pytest.mark.cluster  # worker clusters in processes: the full tier (`dev.sh fast` skips them)
+
 TTL_S = 4.0
 PULL_TIMEOUT_S = 2.0
 PROMPT = "The KV cache of a long prompt spans many blocks; " * 6  # ~300 tokens: 19 blocks
@@ -411,4 +413,4 @@ def test_pull_waiting_on_a_peer_that_moved_fails_instead_of_hanging() -> None:
 
 
 if os.environ.get("KVCONNECT_SKIP_SLOW"):  # pragma: no cover
-    pytestmark = pytest.mark.skip("KVCONNECT_SKIP_SLOW set")
+    pytestmark = [pytest.mark.cluster, pytest.mark.skip("KVCONNECT_SKIP_SLOW set")]

@@ -42,7 +42,7 @@ from kvconnect.core.config import connector_config
 from kvconnect.core.errors import ConfigError
 from kvconnect.harness.cluster import complete
 
-pytestmark = pytest.mark.netns
+pytestmark = [pytest.mark.netns, pytest.mark.cluster]
 T = TypeVar("T")
 
 NS_PREFIX = "kvct-"  # every namespace this test makes starts so, followed by the creating pid

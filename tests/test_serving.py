@@ -15,6 +15,8 @@ import pytest
 from kvconnect.harness.cluster import Cluster, complete
 from tests.faultkit import health, poll_until, scrape
 
+pytestmark = pytest.mark.cluster  # worker clusters in processes: the full tier (`dev.sh fast` skips them)
+
 # 50+ prompts: shorter than a block, exactly a block (16 tokens incl. BOS), many blocks, ragged.
 PROMPTS = (
     ["", "a", "ab", "hello", "x" * 14, "y" * 15, "z" * 16, "w" * 17, "v" * 31, "u" * 32, "t" * 33]
@@ -210,7 +212,7 @@ def test_decode_with_dead_prefill_fails_clearly_within_deadline() -> None:
 
 
 if os.environ.get("KVCONNECT_SKIP_SLOW"):  # pragma: no cover
-    pytestmark = pytest.mark.skip("KVCONNECT_SKIP_SLOW set")
+    pytestmark = [pytest.mark.cluster, pytest.mark.skip("KVCONNECT_SKIP_SLOW set")]
 
 
 def test_free_ports_come_from_below_the_kernels_ephemeral_range() -> None:

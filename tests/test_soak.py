@@ -38,6 +38,8 @@ from kvconnect.harness.cluster import Cluster
 from kvconnect.serving.server import LEASE_NOT_READABLE
 from tests.faultkit import health, idle, log_text, poll_until, scrape
 
+pytestmark = pytest.mark.cluster  # worker clusters in processes: the full tier (`dev.sh fast` skips them)
+
 NUM_REQUESTS = int(os.environ.get("KVCONNECT_SOAK_REQUESTS", "200"))
 CONCURRENCY = 32
 SEED = int(os.environ.get("KVCONNECT_SOAK_SEED", "20261129"))

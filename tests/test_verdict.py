@@ -19,6 +19,8 @@ from kvconnect.verdict.probe import calibrate, check_transport
 from kvconnect.verdict.ucx_tables import ProtoUse, parse_proto_tables, read_transports
 from tests.faultkit import scrape
 
+pytestmark = pytest.mark.cluster  # worker clusters in processes: the full tier (`dev.sh fast` skips them)
+
 MiB = 2**20
 SHARED_MEMORY = {"cma", "posix", "sysv", "knem", "xpmem"}
 P = "[1795981202.739115] [vm:21980:0]   "  # UCX's log prefix

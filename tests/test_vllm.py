@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM plug-in tests need vllm (the `vllm` extra)")
+pytestmark = pytest.mark.vllm  # real vLLM servers: the full tier only (`dev.sh fast` skips them)
 
 from kvconnect.harness.net import poll_until, wait_stopped  # noqa: E402
 from kvconnect.harness.tiny_llama import TinyLlama, build, prompt_of  # noqa: E402

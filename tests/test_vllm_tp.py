@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM plug-in tests need vllm (the `vllm` extra)")
+pytestmark = pytest.mark.vllm  # real vLLM servers: the full tier only (`dev.sh fast` skips them)
 
 from kvconnect.harness.net import free_port_run  # noqa: E402
 from kvconnect.harness.tiny_llama import TinyLlama, build, prompt_of  # noqa: E402
