@@ -44,6 +44,11 @@ LLAMA3_8B = {
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
+    ap.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="vLLM's eager mode (default: vLLM's default mode, compiled with CUDA graphs, which users run)",
+    )
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--lengths", default="512,1024,2048,4096")
     ap.add_argument("--connectors", default="nixl,kvconnect", help="which pairs to start and measure, in order")
@@ -82,7 +87,9 @@ def main() -> None:
     servers = [s for s in servers if s.name.split("-")[0] in names]
     rng = random.Random(7)
     rows = []
-    with VllmCluster(str(model), servers, str(args.out / "logs"), block_size=16, max_model_len=8192) as c:
+    with VllmCluster(
+        str(model), servers, str(args.out / "logs"), block_size=16, eager=args.enforce_eager, max_model_len=8192
+    ) as c:
         print(f"{len(servers)} servers healthy after {time.monotonic() - t0:.0f} s", flush=True)
 
         def one(name: str, n: int) -> dict[str, float]:

@@ -43,6 +43,11 @@ def metrics_text(url: str) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
+    ap.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="vLLM's eager mode (default: vLLM's default mode, compiled with CUDA graphs, which users run)",
+    )
     ap.add_argument("--prompts", type=int, default=len(LENGTHS))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -66,7 +71,7 @@ def main() -> None:
             env={**nixl_env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
         ),
     ]
-    cluster = VllmCluster(str(ckpt), servers, str(args.out / "logs"), max_model_len=2048)
+    cluster = VllmCluster(str(ckpt), servers, str(args.out / "logs"), eager=args.enforce_eager, max_model_len=2048)
     with cluster as c:
         print(f"5 servers healthy after {time.monotonic() - t0:.0f} s", flush=True)
         proxies = {}

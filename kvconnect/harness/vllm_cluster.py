@@ -72,6 +72,9 @@ class VllmCluster:
     max_model_len: int = 4096
     kv_cache_gib: int = 1
     dtype: str = "bfloat16"
+    # --enforce-eager: on the CPU machines compiling the model (inductor, a C++ build on two cores) would cost
+    # minutes per start. GPU runs pass False: vLLM's default mode (compile, CUDA graphs) is what users run
+    eager: bool = True
     urls: dict[str, str] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     _cmds: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict)
@@ -123,7 +126,7 @@ class VllmCluster:
             str(self.max_model_len),
             "--max-num-seqs",
             "8",
-            "--enforce-eager",
+            *(["--enforce-eager"] if self.eager else []),
             "--seed",
             "0",
         ]
@@ -133,7 +136,8 @@ class VllmCluster:
             cmd += ["--kv-transfer-config", server.kv_transfer_config]
         return cmd + server.args
 
-    def start(self) -> VllmCluster:
+    def start(self, wait: bool = True) -> VllmCluster:
+        """Spawn every server (and the proxy), then wait until all are healthy unless `wait` is False."""
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         self.rpc_dir = tempfile.mkdtemp(prefix="kvc-vllm-rpc-")  # (short: a socket path has ~107 bytes)
         try:
@@ -145,7 +149,8 @@ class VllmCluster:
             if self.proxy_for is not None:
                 prefill, decodes = self.proxy_for
                 self.add_proxy("proxy", prefill, list(decodes))
-            self.wait_healthy(list(self.urls))
+            if wait:
+                self.wait_healthy(list(self.urls))
         except BaseException:
             self.stop()
             raise

@@ -9,6 +9,7 @@ builds the connector (`transports/base.py` says why); `FastPaths.open` is the de
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -48,6 +49,7 @@ class FastPaths:
         )
         paths = cls(allowed, choice is not TransportChoice.AUTO)
         for t in allowed:
+            t0 = time.monotonic()
             try:
                 t.warm_up(cache)
                 offer = t.offer(cache)
@@ -55,6 +57,11 @@ class FastPaths:
                 paths.problems[t.kind.value] = str(e)
                 log.warning("%s transport unavailable here (%s); peers will use NIXL", t.kind.value, e)
                 continue
+            log.info(
+                "%s transport ready (start-up %.0f ms, on the building thread)",
+                t.kind.value,
+                1e3 * (time.monotonic() - t0),
+            )
             if offer:
                 paths.offers[t.kind.value] = offer
         return paths
