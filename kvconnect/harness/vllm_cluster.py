@@ -88,8 +88,6 @@ class VllmCluster:
             {
                 "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
                 "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(server.core + i) for i in range(server.tensor_parallel)),
-                "UCX_TLS": env.get("UCX_TLS", "tcp,cma,sm,self"),
-                "UCX_NET_DEVICES": env.get("UCX_NET_DEVICES", "lo"),
                 "NIXL_LOG_LEVEL": "WARN",
                 "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1",
@@ -100,6 +98,9 @@ class VllmCluster:
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        if shutil.which("nvidia-smi") is None:  # CPU machines: UCX on loopback (a GPU needs UCX's CUDA transports)
+            env.setdefault("UCX_TLS", "tcp,cma,sm,self")
+            env.setdefault("UCX_NET_DEVICES", "lo")
         if self.rpc_dir:
             env["VLLM_RPC_BASE_PATH"] = self.rpc_dir
         env.update(server.env)
