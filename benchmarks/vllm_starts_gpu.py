@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -39,6 +40,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=400.0)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(args.out / "logs", ignore_errors=True)  # (a server's log is appended to: start from none)
     ckpt = build(args.out / "tiny-llama", TinyLlama.named("tiny"))
     starts = []
     for r in range(args.rounds):
