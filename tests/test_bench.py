@@ -85,7 +85,7 @@ def test_arguments_parse_into_options() -> None:
     assert opts.ucx_env == {"UCX_TLS": "tcp,cma,self"} and opts.confirm is False
     defaults = bench_args.options_from_args(parse())
     assert defaults.geometry.model == "llama-3-8b" and defaults.tokens == [4096]
-    assert defaults.layout_pairs == bench.SAME_PAIRS and defaults.patterns == ["scattered"]
+    assert defaults.layout_pairs == bench_args.SAME_PAIRS and defaults.patterns == ["scattered"]
     assert defaults.confirm is True and defaults.transports == ["nixl"]
     assert (defaults.geometry.dtype, defaults.geometry.block_size) == ("bfloat16", 16)
     assert len(bench_args.parse_layout_pairs("all")) == 9

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 
-import msgspec
 import pytest
 
 from kvconnect.core.cache import KVCache
@@ -77,7 +76,7 @@ def test_the_vllm_worker_side_drives_its_pulls_from_the_engine_thread() -> None:
         geometry = dict(layers=2, blocks=12, heads=2, tokens=32, head_dim=32, page="vllm:cpu-vec")
         pre.setup_views("LBHNC", geometry, 4)
         pre.wait_setup()
-        params = msgspec.to_builtins(pre.lease("worker-driven", [2, 9], 64))
+        params = pre.lease("worker-driven", [2, 9], 64)
         views, _ = packed_views("LBHNC", 2, 12, 2, 32, 32, seed=1)
         worker = WorkerSide(config_for_tests(), tp_rank=0, total_kv_heads=2, faults=FaultHooks())
         worker.register_kv_caches(views, num_blocks=12, block_size=32, tp_size=1, page="vllm:cpu-vec")

@@ -80,3 +80,20 @@ def test_the_decode_reads_over_nixl_unless_the_required_path_is_the_one_refused(
         TransportUnavailableError, match=f"peer e#0: the required transport cannot serve it: memory: {why}"
     ):
         required.open(info, None, cache, "e#0")  # type: ignore[arg-type]
+
+
+def test_the_architecture_page_lists_every_part_a_new_transport_must_provide() -> None:
+    """docs/architecture.md's touch list for a new transport stays true to the interface and the registry."""
+    import inspect
+    from pathlib import Path
+
+    from kvconnect.core.transports import registry
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    touch = doc[doc.index("- **A transport**") : doc.index("- **A cache layout**")]
+    hooks = {name for name, _ in inspect.getmembers(Transport) if not name.startswith("_")} - {"kind", "notifies"}
+    assert hooks == {"applies", "warm_up", "offer", "open", "order", "post", "close"}  # (the interface itself)
+    missing = [h for h in sorted(hooks - {"close"}) if f"`{h}" not in touch]
+    assert not missing, f"the touch list does not name {missing}"
+    assert "registry.FAST_PATHS" in touch and registry.FAST_PATHS
+    assert all(t.__module__.startswith("kvconnect.core.transports.") for t in registry.FAST_PATHS)

@@ -39,19 +39,9 @@ from kvconnect.bench.args import add_arguments as add_arguments  # the CLI finds
 from kvconnect.bench.args import check_tp_pairs, options_from_args
 from kvconnect.bench.report import SCHEMA, BenchOptions, BenchReport
 from kvconnect.core.errors import ConfigError, KVConnectError
-from kvconnect.core.plan.layout import LayoutKind
 
 log = logging.getLogger(__name__)
 
-# (num_layers, num_kv_heads, head_dim)
-PRESETS = {
-    "llama-3-8b": (32, 8, 128),
-    "llama-3-70b": (80, 8, 128),
-    "small": (4, 2, 64),  # 32 KiB per 16-token block: CI-sized
-}
-LAYOUTS = [k.value for k in LayoutKind]
-SAME_PAIRS = [(k, k) for k in ("kv_first", "blocks_first", "cross_layer")]
-TRANSPORTS = ("nixl", "ipc", "auto")
 # --- running -------------------------------------------------------------------------------------
 
 

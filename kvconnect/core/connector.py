@@ -31,7 +31,7 @@ from kvconnect.core.digest import block_sums
 from kvconnect.core.errors import KVConnectError
 from kvconnect.core.faults import FaultHooks
 from kvconnect.core.loop import Loop
-from kvconnect.core.plan.params import KVTransferParams, validate_block_ids
+from kvconnect.core.plan.params import KVTransferParams, lease_params, validate_block_ids
 from kvconnect.core.prefill.lease import Lease, LeaseTable, new_lease_id
 from kvconnect.core.prefill.side import PrefillSide, peer_info
 from kvconnect.core.snapshot import ConnectorSnapshot, Counters
@@ -144,17 +144,16 @@ class KVConnector:
         lease_id = lease_id or new_lease_id()
         content = block_sums(self.cache, ids) if self.config.kv_digest else ()
         self._leases.grant(lease_id, ids, label=request_id, content=content)
-        return KVTransferParams(
-            do_remote_prefill=True,
-            remote_engine_id=self.engine_id,
-            remote_block_ids=ids,
-            remote_host=self.config.advertise_host,
-            remote_port=self.side_channel_port - self.spec.tp_rank,
-            remote_request_id=request_id,
+        return lease_params(
+            engine_id=self.engine_id,
+            host=self.config.advertise_host,
+            base_port=self.side_channel_port - self.spec.tp_rank,
             tp_size=self.spec.tp_size,
-            remote_incarnation_id=self.incarnation_id,
-            remote_num_tokens=num_tokens,
-            remote_lease_id=lease_id,
+            incarnation_id=self.incarnation_id,
+            request_id=request_id,
+            lease_id=lease_id,
+            block_ids=ids,
+            num_tokens=num_tokens,
         )
 
     def release(self, lease_id: str) -> p.LeaseState:

@@ -1,16 +1,19 @@
 """What the scheduler-side connector tells its workers each step, and what workers tell it once.
 
 `StepOrders` rides in vLLM's `SchedulerOutput` from the EngineCore process to every worker process
-(pickled), so it holds plain values only. `WorkerHello` goes the other way once, at start-up, through
-vLLM's handshake-metadata hook: the side-channel port and incarnation each rank really has.
+(pickled), so it holds plain values and msgspec structs only. The client's `kv_transfer_params` are parsed
+once, by the scheduler; invalid ones travel as the field and reason the worker fails the load with.
+`WorkerHello` goes the other way once, at start-up, through vLLM's handshake-metadata hook: the
+side-channel port and incarnation each rank really has.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
+
+from kvconnect.core.plan.params import KVTransferParams
 
 
 @dataclass(frozen=True)
@@ -28,17 +31,18 @@ class PullOrder:
     """Decode: pull the remote prompt's blocks into these local ones."""
 
     request_id: str
-    params: dict[str, Any]  # the request's kv_transfer_params, as the client sent them
+    params: KVTransferParams | None  # the request's kv_transfer_params; None: invalid (`refused` says why)
     local_block_ids: list[int]  # the blocks the local prefix cache did not already fill
     num_prompt_tokens: int
     num_local_hit_tokens: int  # prompt tokens the local prefix cache holds (block aligned)
+    refused: tuple[str, str] | None = None  # (field, reason): the worker fails the load naming them
 
 
 @dataclass
 class StepOrders(KVConnectorMetadata):
     leases: list[LeaseOrder] = field(default_factory=list)
     pulls: list[PullOrder] = field(default_factory=list)
-    releases: list[dict[str, Any]] = field(default_factory=list)  # params of leases nobody will read
+    releases: list[KVTransferParams] = field(default_factory=list)  # params of leases nobody will read
     # nothing to compute this step: vLLM steps anyway while a transfer is pending, so the workers wait a
     # little for one to end instead of letting the engine spin (see worker.py)
     idle: bool = False

@@ -9,9 +9,9 @@ grant the lease as the next step's orders are bound, before that step's forward.
 Decode (`do_remote_prefill`): the prompt's KV is loaded asynchronously (the request waits in
 WAITING_FOR_REMOTE_KVS while vLLM schedules others), into the blocks the local prefix cache did not
 already fill; one pull order per request. A request aborted before it was scheduled, or one whose whole
-prompt the local prefix cache holds, gets its remote lease released instead. Invalid params are not
-judged here (the scheduler must not raise): the worker fails the load naming the field, and vLLM's own
-failure policy applies.
+prompt the local prefix cache holds, gets its remote lease released instead. The client's params are
+parsed here once; invalid ones never raise here (the scheduler must not): the order carries the refusal,
+the worker fails the load naming the field, and vLLM's own failure policy applies.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from vllm.v1.request import RequestStatus
 
-from kvconnect.core.plan.params import KVTransferParams
+from kvconnect.core.errors import InvalidRequestError
+from kvconnect.core.plan.params import KVTransferParams, lease_params, parse_kv_transfer_params
 from kvconnect.core.prefill.lease import new_lease_id
 from kvconnect.vllm.metadata import LeaseOrder, PullOrder, StepOrders, WorkerHello
 from kvconnect.vllm.settings import VllmSettings
@@ -34,6 +35,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _LEASED_ENDS = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+def _parsed(raw: dict[str, Any]) -> tuple[KVTransferParams | None, tuple[str, str] | None]:
+    """The client's params, or the (field, reason) they are refused for: the scheduler must not raise."""
+    try:
+        return parse_kv_transfer_params(raw), None
+    except InvalidRequestError as e:
+        return None, (e.field, e.reason)
 
 
 class SchedulerSide:
@@ -64,21 +73,22 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
-        order = dict(params)
+        parsed, refused = _parsed(params)
         params["do_remote_prefill"] = False  # one load per request (this is called again once it is scheduled)
         if num_external_tokens > 0:
             local = [int(b) for b in blocks.get_unhashed_block_ids()]
             self._orders.pulls.append(
                 PullOrder(
                     request.request_id,
-                    order,
+                    parsed,
                     local,
                     request.num_prompt_tokens,
                     request.num_prompt_tokens - num_external_tokens,
+                    refused,
                 )
             )
-        else:  # the local prefix cache holds the whole prompt: nothing to read
-            self._orders.releases.append(order)
+        elif parsed is not None:  # the local prefix cache holds the whole prompt: nothing to read
+            self._orders.releases.append(parsed)
 
     # --- both --------------------------------------------------------------------------------------
 
@@ -92,7 +102,9 @@ class SchedulerSide:
         if not params:
             return False, None
         if params.get("do_remote_prefill"):  # aborted before it was scheduled: free the prefill's blocks now
-            self._orders.releases.append(dict(params))
+            parsed, _ = _parsed(params)
+            if parsed is not None:  # (invalid params name no lease we could release)
+                self._orders.releases.append(parsed)
             params["do_remote_prefill"] = False
             return False, None
         if not params.get("do_remote_decode") or request.status not in _LEASED_ENDS or not block_ids:
@@ -105,16 +117,15 @@ class SchedulerSide:
         self._orders.leases.append(LeaseOrder(request.request_id, ids, num_tokens, lease_id))
         port = hello.side_channel_port if hello is not None else config.side_channel_port
         return True, msgspec.to_builtins(
-            KVTransferParams(
-                do_remote_prefill=True,
-                remote_engine_id=config.engine_id,
-                remote_block_ids=ids,
-                remote_host=config.advertise_host,
-                remote_port=port,
-                remote_request_id=request.request_id,
+            lease_params(
+                engine_id=config.engine_id,
+                host=config.advertise_host,
+                base_port=port,
                 tp_size=self._settings.tp_size,
-                remote_incarnation_id=hello.incarnation_id if hello is not None else None,
-                remote_num_tokens=num_tokens,
-                remote_lease_id=lease_id,
+                incarnation_id=hello.incarnation_id if hello is not None else None,
+                request_id=request.request_id,
+                lease_id=lease_id,
+                block_ids=ids,
+                num_tokens=num_tokens,
             )
         )

@@ -1,21 +1,21 @@
 """Worker side of the plug-in (each vLLM worker process): one `KVConnector` over the KV tensors vLLM
-allocated, driven by the scheduler's step orders.
+allocated, driven by the scheduler's step orders. By vLLM hook:
 
-- `register`: the tensors become a kvconnect cache (`layout.describe`, by their strides) registered with
-  NIXL; this rank's side channel listens on the group's base port + TP rank.
-- `on_orders` (bound before each step's forward): grant leases, release leases nobody will read, start
-  pulls. A pull reads only the blocks the local prefix cache missed: the tail of the prefill's block list.
+- `register_kv_caches`: the tensors become a kvconnect cache (`layout.describe`, by their strides)
+  registered with NIXL; this rank's side channel listens on the group's base port + TP rank.
+- `bind_connector_metadata` (before each step's forward): grant leases, release leases nobody will read,
+  start pulls. A pull reads only the blocks the local prefix cache missed: the tail of the prefill's list.
 - both drive the connector (`KVConnector.drive`) while this rank has pulls or leases: this thread, which
   holds the GIL while vLLM steps, posts and finishes the pulls itself rather than waiting for the
   interpreter to switch to the loop thread.
-- `results` (after each step): on a step with nothing to compute (vLLM keeps stepping while a transfer or
-  a lease is pending) it first waits up to `IDLE_WAIT_S` for one to end, driving the connector every
-  `DRIVE_EVERY_S`, so a waiting engine polls instead of spinning two processes at 100 %; then it reports
-  pulls that are usable, or failed and settled (their blocks are reported as load errors so vLLM's
-  failure policy applies; a failed pull whose READ may still land is held back until it cannot, so vLLM
-  never reuses or recomputes into blocks a late write could hit), and leases that ended (their requests'
-  blocks may be freed). A request vLLM finished while its pull ran (abort) has the pull cancelled; it is
-  reported once its blocks are safe.
+- `transfer_results` (behind `get_finished` / `get_transfer_results`, after each step): on a step with
+  nothing to compute (vLLM keeps stepping while a transfer or a lease is pending) it first waits up to
+  `IDLE_WAIT_S` for one to end, driving the connector every `DRIVE_EVERY_S`, so a waiting engine polls
+  instead of spinning two processes at 100 %; then it reports pulls that are usable, or failed and settled
+  (their blocks go to `get_block_ids_with_load_errors` so vLLM's failure policy applies; a failed pull
+  whose READ may still land is held back until it cannot, so vLLM never reuses or recomputes into blocks a
+  late write could hit), and leases that ended (their requests' blocks may be freed). A request vLLM
+  finished while its pull ran (abort) has the pull cancelled; it is reported once its blocks are safe.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 import torch
@@ -34,7 +33,7 @@ from kvconnect.core.connector import KVConnector
 from kvconnect.core.decode.pull import PullHandle, PullStats
 from kvconnect.core.errors import InvalidRequestError, KVConnectError
 from kvconnect.core.faults import FaultHooks
-from kvconnect.core.plan.params import KVTransferParams, parse_kv_transfer_params
+from kvconnect.core.plan.params import KVTransferParams
 from kvconnect.core.wire.lease_client import release_after_failure
 from kvconnect.core.wire.protocol import LeaseState
 from kvconnect.vllm.layout import describe
@@ -140,20 +139,19 @@ class WorkerSide:
         if orders.pulls:
             conn.drive()  # post the new pulls now, on this thread (see KVConnector.drive)
 
-    def _release(self, raw: dict[str, Any]) -> None:
-        try:
-            params = parse_kv_transfer_params(raw)
-        except InvalidRequestError:
-            return  # names no lease we could release
-        if params is not None:
-            self._require().release_remote(params)
+    def _release(self, params: KVTransferParams) -> None:
+        self._require().release_remote(params)
 
     def _start(self, order: PullOrder) -> None:
         load = _Load(order, None, None)
         self._loads[order.request_id] = load
         try:
-            load.params = params = parse_kv_transfer_params(order.params)
-            assert params is not None and params.remote_block_ids is not None
+            if order.params is None:
+                field, reason = order.refused or ("kv_transfer_params", "missing")
+                raise InvalidRequestError(field, reason)
+            load.params = params = order.params
+            if not params.do_remote_prefill or params.remote_block_ids is None:
+                raise InvalidRequestError("kv_transfer_params.do_remote_prefill", "must be true to pull")
             if params.remote_num_tokens is not None and params.remote_num_tokens != order.num_prompt_tokens:
                 raise InvalidRequestError(
                     "kv_transfer_params.remote_num_tokens",

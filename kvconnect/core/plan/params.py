@@ -58,6 +58,35 @@ class KVTransferParams(msgspec.Struct):
     remote_lease_id: str | None = None
 
 
+def lease_params(
+    *,
+    engine_id: str,
+    host: str,
+    base_port: int,
+    tp_size: int,
+    incarnation_id: str | None,
+    request_id: str,
+    lease_id: str,
+    block_ids: list[int],
+    num_tokens: int | None,
+) -> KVTransferParams:
+    """What a prefill hands a decode for one lease: the one place these params are assembled (the connector's
+    `lease`, and the vLLM scheduler, which answers before its workers grant). `base_port` is TP rank 0's
+    side channel: rank r listens on base + r."""
+    return KVTransferParams(
+        do_remote_prefill=True,
+        remote_engine_id=engine_id,
+        remote_block_ids=block_ids,
+        remote_host=host,
+        remote_port=base_port,
+        remote_request_id=request_id,
+        tp_size=tp_size,
+        remote_incarnation_id=incarnation_id,
+        remote_num_tokens=num_tokens,
+        remote_lease_id=lease_id,
+    )
+
+
 @dataclass(frozen=True)
 class PullTarget:
     """A pull's checked remote side."""

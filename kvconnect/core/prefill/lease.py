@@ -1,38 +1,25 @@
-"""Prefill-side lease table (sans-I/O, injected clock).
+"""Prefill-side lease table (sans-I/O, injected clock): a finished request's blocks held for the decode
+that will read them. The rules:
 
-A finished prefill request's blocks are *leased* to the decode worker that will read them. A lease is
-keyed by its lease id, which the prefill draws at random (`new_lease_id`): knowing a request's id (a
-client's `x-request-id`, vLLM's request id: the lease's *label*, for logs and callbacks) gives nothing.
-The lease ends exactly once: COMPLETED (the reader's notification or confirmation arrived while it was
-held), RELEASED (explicitly given back), or EXPIRED (its TTL ran out). Each end calls
-`on_free(lease, freed_block_ids)`. Ended leases are remembered for a while as tombstones, so a late
-confirmation learns whether the data it read was still reserved at the time: only COMPLETED means yes.
-
-Blocks may be shared: an engine with prefix caching (vLLM's default) gives concurrent requests with a
-common prefix the same physical blocks, so several live leases may hold one block. The table counts the
-holders of each block; a lease's end hands back (`freed_block_ids`) only the blocks no other lease still
-holds, and a scrub runs over those alone.
-
-Every reader speaks with a *read token* of its own (random, drawn per pull): the first token a reader slot
-uses (PIN, notification or CONFIRM) claims that slot while the lease is held. Another token for a claimed
-slot, or any token that did not take part before the lease ended COMPLETED, is answered CONSUMED: params
-replayed to a second decode (a router retry, a client that reaches a decode directly) never pass as read
-under the lease, whatever the prefill has put in those blocks since.
-
-A lease is bound to its request id *and* its blocks: a reader must name the blocks it read, and
-`blocks_problem` refuses any that the lease does not hold (a suffix of the leased ids is fine: a decode
-that found the prompt's first blocks in its own prefix cache reads only the rest). The refusal leaves
-the lease as it was, so a client that edits `remote_block_ids` cannot end, pin or complete another
-request's lease, nor have its read of blocks it does not own confirmed.
-
-A reader may *pin* a held lease before its read finishes (so it need not ask afterwards): until the pin
-ends (the reader completes or releases, or the pin's own deadline passes) the blocks are not handed back,
-whatever ends the lease meanwhile (TTL, release, force-expire); that end takes effect, blocks scrubbed and
-freed, when the last pin goes.
-
-With a grace (`grace_s`, for engines that grant a lease a little after its params left), a RELEASE of a
-lease not granted yet is remembered for that long: the grant it precedes then ends at once, RELEASED, if
-the release named a suffix of its blocks (a decode aborted before the prefill's next step).
+- **Keys.** A lease is keyed by a random lease id (`new_lease_id`); the request's own id is only its label
+  (logs, callbacks), so knowing it gives nothing.
+- **One end.** A lease ends exactly once: COMPLETED (its reader's notification or confirmation arrived
+  while held), RELEASED, or EXPIRED (TTL). Each end calls `on_free(lease, freed_block_ids)`; ended leases
+  stay as tombstones for a while, so a late confirmation learns whether its read was under the lease.
+- **Shared blocks.** Several live leases may hold one block (prefix caching): the table counts holders, and
+  an end hands back only the blocks no other lease holds.
+- **Read tokens.** Every reader speaks with a random token of its own; the first token a reader slot uses
+  (PIN, notification or CONFIRM) claims it. Any other token is answered CONSUMED, so params replayed to a
+  second decode never pass as read under the lease.
+- **Bound to blocks.** A reader names the blocks it read; `blocks_problem` refuses any the lease does not
+  hold (a suffix of the leased ids is fine: a decode's own prefix-cache hit reads fewer), and a refusal
+  leaves the lease as it was.
+- **Pins.** A reader may pin a held lease before its read ends: until the pin ends (complete, release, or
+  its own deadline) the blocks are not handed back, whatever ends the lease meanwhile; that end takes
+  effect when the last pin goes.
+- **Early releases.** With a grace (`grace_s`: engines that grant a little after their params left), a
+  RELEASE of a lease not granted yet is remembered that long, and the grant it precedes ends at once,
+  RELEASED, if the release named a suffix of its blocks.
 """
 
 from __future__ import annotations
