@@ -119,3 +119,69 @@ def test_params_from_another_incarnation_fail_as_a_restart(prefill, wire) -> Non
         with pytest.raises(LeaseLostError, match="restarted"):
             dec.pull(params, [0]).wait(10)
     prefill.release(params.remote_lease_id)
+
+
+def test_a_lease_bound_to_one_prompt_refuses_a_decode_serving_another_and_survives(prefill, wire) -> None:
+    """Prompt P's params sent with prompt Q: the prefill refuses the pin (and any confirmation), so nothing
+    read is used; P's lease is untouched and its own reader then reads it."""
+    from kvconnect.core.plan.params import prompt_digest
+
+    p_digest, q_digest = prompt_digest([11, 12, 13, 14]), prompt_digest([11, 12, 13, 15])
+    params = prefill.lease(rid(), [18, 19], 32, prompt_digest=p_digest)
+    with decoder(wire) as dec:
+        for pin_reads in (True, False):
+            with decoder(wire, pin_reads=pin_reads) as other:
+                with pytest.raises(LeaseLostError, match="the lease holds the KV of another prompt"):
+                    other.pull(params, [0, 1], prompt_digest=q_digest).wait(10)
+        assert prefill.lease_state(params.remote_lease_id).value == "held"
+        dec.pull(params, [2, 3], prompt_digest=p_digest).wait(10)
+        assert dec.cache.block_bytes(2) == prefill.cache.block_bytes(18)
+    poll_until(lambda: prefill.lease_state(params.remote_lease_id).value == "completed", what="the lease completed")
+
+
+def test_a_pin_is_trusted_no_longer_than_the_prefill_keeps_it(wire) -> None:
+    """The prefill caps a pin at its lease TTL (1 s here); a decode whose own deadline is 10 s trusted the pin
+    for 10 s, so a READ landing after the prefill had let the blocks go was used as good. The PIN's answer
+    now says how long the pin lasts, and a read ending after that is confirmed, and refused. (The KV digest is
+    off here, as by default: it would catch the reused blocks too.)"""
+    cache = KVCache.allocate(spec(LayoutKind.CROSS_LAYER))
+    cache.fill_pattern(3)
+    freed: list[int] = []
+    with KVConnector(
+        cache,
+        config_for_tests(lease_ttl_s=1.0, kv_digest=False),
+        on_blocks_freed=freed.extend,
+        fast_paths=(FakeTransport,),
+    ) as short:
+        wire.serve(short._peer_info.agent_name, short.cache)
+        params = short.lease(rid(), [4, 5], 32)
+        wire.hold = True
+        with decoder(wire, pull_timeout_s=10.0, kv_digest=False) as dec:
+            handle = dec.pull(params, [0, 1])
+            poll_until(
+                lambda: short.lease_state(params.remote_lease_id).value == "expired", what="pin and lease ran out"
+            )
+            assert sorted(freed) == [4, 5]
+            short.cache.regions[0][4].zero_()  # the blocks went back and were reused before the READ landed
+            wire.land()
+            with pytest.raises(LeaseLostError, match="expired"):
+                handle.wait(10)
+
+
+def test_a_pull_refused_while_its_transfer_runs_keeps_its_blocks_until_the_transfer_ends(prefill, wire) -> None:
+    """A pin refused (here: another prompt's lease) while the READ is still in flight fails the pull at once,
+    but the READ may still write into the local blocks: the pull is not settled (its owner must not reuse
+    the blocks, nor recompute into them) until the transfer has ended."""
+    from kvconnect.core.plan.params import prompt_digest
+
+    params = prefill.lease(rid(), [20, 21], 32, prompt_digest=prompt_digest([1, 2, 3]))
+    wire.hold = True
+    with decoder(wire) as dec:
+        handle = dec.pull(params, [4, 5], prompt_digest=prompt_digest([1, 2, 4]))
+        with pytest.raises(LeaseLostError, match="another prompt"):
+            handle.wait(10)
+        assert not handle.settled() and dec.snapshot().quarantined_blocks == 2
+        wire.land()
+        poll_until(handle.settled, what="the refused pull's transfer ended")
+        assert dec.snapshot().pull_failures == {"LeaseLostError": 1}  # counted once, not again when it landed
+    prefill.release(params.remote_lease_id)

@@ -259,3 +259,28 @@ def test_early_releases_are_bounded_whatever_a_peer_sends() -> None:
     t.grant(f"r{last}", [10_000 + last])
     assert t.state(long_id) is LeaseState.HELD and t.state("r0") is LeaseState.HELD
     assert t.state("r1") is LeaseState.RELEASED and t.state(f"r{last}") is LeaseState.RELEASED
+
+
+def test_a_lease_bound_to_its_prompt_answers_only_readers_of_that_prompt() -> None:
+    """A client who sends prompt Q to a decode with prompt P's params must not have Q decoded from P's KV."""
+    from kvconnect.core.plan.params import prompt_digest
+
+    p_digest, q_digest = prompt_digest([5, 6, 7, 8]), prompt_digest([5, 6, 7, 9])
+    t, clock, freed = table()
+    t.grant("bound", [1, 2], prompt=p_digest)
+    t.grant("unbound", [3])
+    assert t.prompt_problem("bound", p_digest) == ""
+    assert t.prompt_problem("bound", q_digest) == "prompt: the lease holds the KV of another prompt"
+    assert "none was named" in t.prompt_problem("bound", b"")
+    assert t.prompt_problem("unbound", q_digest) == "" and t.prompt_problem("nobody", q_digest) == ""
+    assert t.state("bound") is LeaseState.HELD and freed == []  # a refusal changes nothing
+
+
+def test_a_prompt_digest_covers_every_token_and_the_cache_salt() -> None:
+    from kvconnect.core.plan.params import prompt_digest
+
+    base = prompt_digest([1, 2, 3])
+    assert prompt_digest([1, 2, 3]) == base and len(base) == 16
+    others = [prompt_digest([1, 2]), prompt_digest([1, 2, 4]), prompt_digest([3, 2, 1]), prompt_digest([1, 2, 3], "t")]
+    assert base not in others and len(set(others)) == len(others)
+    assert prompt_digest([1, 2, 3], "") == base  # no salt and an empty salt are the same

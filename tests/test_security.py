@@ -287,6 +287,27 @@ def test_params_edited_to_other_blocks_are_refused_like_any_lost_lease_and_the_r
     assert metric(urls["prefill"], "kvconnect_leases_ended", outcome="completed") == ended["completed"] + 2
 
 
+def test_a_prompt_sent_with_another_prompts_params_is_never_decoded_from_that_kv(
+    cluster: Cluster, expected: list[int]
+) -> None:
+    """A client asks the prefill for prompt P's KV, then sends the decode prompt Q (same length) with P's
+    params. The lease is bound to P's token ids: the prefill refuses the read, the decode recomputes Q (this
+    decode's policy), and P's lease is untouched for P's own decode leg."""
+    urls = cluster.urls
+    other = "y" * len(PROMPT)
+    other_expected = reference(urls["decode"], other, MAX_TOKENS)
+    assert other_expected != expected  # (else the test could not tell P's continuation from Q's)
+    params = prefill_leg(urls["prefill"], PROMPT, "victim-1")
+    lost = metric(urls["decode"], FAILED, reason="LeaseLostError")
+    got = decode_leg(urls["decode"], other, params, MAX_TOKENS, "swap-1")
+    assert got["status"] == 200 and got["token_ids"] == other_expected, got
+    assert metric(urls["decode"], FAILED, reason="LeaseLostError") == lost + 1
+    assert health(urls["prefill"])["leased_blocks"] == NEEDED  # P's lease is still held
+    mine = decode_leg(urls["decode"], PROMPT, params, MAX_TOKENS, "victim-1")
+    assert mine["status"] == 200 and mine["token_ids"] == expected, mine
+    poll_until(lambda: idle(urls["prefill"]), what="P's lease completed by its own reader")
+
+
 # --- fuzzing what test_protocol.py does not: replies, notifications, OpenAI bodies -------------------
 
 

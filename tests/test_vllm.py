@@ -72,18 +72,20 @@ def c(cluster: VllmCluster) -> VllmCluster:
     return cluster
 
 
-def prefill_leg(cluster: VllmCluster, prompt: str) -> dict[str, Any]:
+def prefill_leg(cluster: VllmCluster, prompt: str | list[int]) -> dict[str, Any]:
     """The proxy's first leg by hand: the kv_transfer_params the prefill leased."""
     r = generate(cluster.urls["prefill"], prompt, 1, extra={"kv_transfer_params": {"do_remote_decode": True}})
     assert r["status"] == 200 and r["kv_transfer_params"], r
     return r["kv_transfer_params"]  # type: ignore[no-any-return]
 
 
-def decode_leg(cluster: VllmCluster, name: str, prompt: str, params: dict[str, Any], **kw: Any) -> dict[str, Any]:
+def decode_leg(
+    cluster: VllmCluster, name: str, prompt: str | list[int], params: dict[str, Any], **kw: Any
+) -> dict[str, Any]:
     return generate(cluster.urls[name], prompt, MAX_TOKENS, extra={"kv_transfer_params": params}, **kw)
 
 
-def reference(cluster: VllmCluster, prompt: str, chat: bool = False) -> list[int]:
+def reference(cluster: VllmCluster, prompt: str | list[int], chat: bool = False) -> list[int]:
     r = generate(cluster.urls["aggregated"], prompt, MAX_TOKENS, chat=chat)
     assert r["status"] == 200, r
     return r["token_ids"]  # type: ignore[no-any-return]
@@ -131,7 +133,7 @@ def test_concurrent_requests_sharing_a_prefix_share_the_prefills_blocks(c: VllmC
     time the decode's own prefix cache holds the prefix, so it pulls only the rest)."""
     prefix = tokenize(c, prompt_of(800, seed=77))[:512]
     prompts = [prefix + tokenize(c, prompt_of(40 + 23 * i, seed=300 + i)) for i in range(4)]
-    wants = [reference(c, p) for p in prompts]  # type: ignore[arg-type]
+    wants = [reference(c, p) for p in prompts]
     warm = generate(c.urls["prefill"], prefix, 1)  # the prefill's prefix cache now holds the shared blocks
     assert warm["status"] == 200, warm
     completed = metric_sum(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome="completed")
@@ -202,6 +204,41 @@ def test_other_edited_params_are_refused_naming_the_field(c: VllmCluster, field:
         completed = ended(c)["completed"]
         assert decode_leg(c, "decode", prompt, params)["status"] == 200
         poll_until(lambda: ended(c)["completed"] == completed + 1, what="the intact lease read")
+
+
+def test_a_prompt_sent_with_another_prompts_params_is_never_decoded_from_that_kv(c: VllmCluster) -> None:
+    """Prompt P's params sent with prompt Q (another prompt of the same length): the prefill's lease is bound
+    to P's token ids, so it refuses the read. A recompute-policy decode answers Q's own tokens and leaves P's
+    lease to P's own decode leg; a fail-policy one fails the request, and caches nothing of P's under Q's
+    hashes (Q alone afterwards is Q's answer). (vLLM 0.32 then frees the failed request's remote blocks, as
+    for any request it answers with an error: params are a bearer capability for ending a lease, not for
+    reading it under another prompt.)"""
+    p_ids, q_ids = (
+        httpx.post(
+            c.urls["aggregated"] + "/tokenize", json={"model": "tiny", "prompt": prompt_of(300, s)}, timeout=30
+        ).json()["tokens"]
+        for s in (21, 22)
+    )
+    n = min(len(p_ids), len(q_ids))
+    p_ids, q_ids = p_ids[:n], q_ids[:n]
+    want_p, want_q = reference(c, p_ids), reference(c, q_ids)
+    assert want_p != want_q
+    failed = "vllm:kvconnect_num_failed_pulls_total"
+    lost = {name: metric_sum(c.urls[name], failed, reason="LeaseLostError") for name in ("decode", "decode-r")}
+    params = prefill_leg(c, p_ids)
+    got = decode_leg(c, "decode-r", q_ids, params)
+    assert got["status"] == 200 and got["token_ids"] == want_q, got
+    mine = decode_leg(c, "decode", p_ids, params)
+    assert mine["status"] == 200 and mine["token_ids"] == want_p, mine  # P's lease was left to P
+    refused = decode_leg(c, "decode", q_ids, prefill_leg(c, p_ids))
+    assert refused["status"] != 200 and refused["token_ids"] is None, refused
+    for name in ("decode", "decode-r"):
+        poll_until(
+            lambda name=name: metric_sum(c.urls[name], failed, reason="LeaseLostError") == lost[name] + 1,
+            what=f"{name}'s refused read counted",
+        )
+    alone = generate(c.urls["decode"], q_ids, MAX_TOKENS)
+    assert alone["status"] == 200 and alone["token_ids"] == want_q, alone
 
 
 def ended(c: VllmCluster) -> dict[str, float]:

@@ -132,18 +132,25 @@ class KVConnector:
     # --- prefill role ------------------------------------------------------------------------------
 
     def lease(
-        self, request_id: str, block_ids: Sequence[int], num_tokens: int | None = None, lease_id: str | None = None
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int | None = None,
+        lease_id: str | None = None,
+        prompt_digest: bytes = b"",
     ) -> KVTransferParams:
         """Hold `block_ids` for a remote reader; returns the kv_transfer_params to hand to decode.
 
         `request_id` only labels the lease (logs, `on_lease_ended`); the lease's key is `lease_id`, random
         unless given. Ranks of a TP group lease the same ids under one lease id (the caller draws it with
         `new_lease_id()`) and listen on consecutive side channel ports (rank r on base + r); the params name
-        the base port, so rank 0's params serve all. Blocks other live leases hold may be leased again."""
+        the base port, so rank 0's params serve all. Blocks other live leases hold may be leased again.
+        `prompt_digest` (`params.prompt_digest` of the prompt's token ids) binds the lease to its prompt: a
+        reader serving another prompt is refused."""
         ids = validate_block_ids("block_ids", block_ids, self.spec.num_blocks).tolist()
         lease_id = lease_id or new_lease_id()
         content = block_sums(self.cache, ids) if self.config.kv_digest else ()
-        self._leases.grant(lease_id, ids, label=request_id, content=content)
+        self._leases.grant(lease_id, ids, label=request_id, content=content, prompt=prompt_digest)
         return lease_params(
             engine_id=self.engine_id,
             host=self.config.advertise_host,
@@ -185,10 +192,13 @@ class KVConnector:
         params: KVTransferParams,
         local_block_ids: Sequence[int],
         request_id: str | None = None,
+        prompt_digest: bytes = b"",
     ) -> PullHandle:
         """Start pulling `params.remote_block_ids` into `local_block_ids`; never blocks on the peer.
-        InvalidRequestError (naming the field) when the params or ids are invalid: nothing is started."""
-        handle, start = self._decode.prepare(params, local_block_ids, request_id)
+        InvalidRequestError (naming the field) when the params or ids are invalid: nothing is started.
+        `prompt_digest`: the digest of the prompt this decode serves; a lease bound to another prompt
+        refuses the read (LeaseLostError) and nothing of it is used."""
+        handle, start = self._decode.prepare(params, local_block_ids, request_id, prompt_digest)
         self._loop.call(start)
         return handle
 

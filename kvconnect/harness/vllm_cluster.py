@@ -253,7 +253,7 @@ def side_channel_base(tp: int) -> int:
 
 def generate(
     url: str,
-    prompt: str,
+    prompt: str | list[int],
     max_tokens: int,
     *,
     chat: bool = False,
@@ -262,7 +262,8 @@ def generate(
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One greedy request to an OpenAI server: {"status", "token_ids", "text", "error", "ttft_s", "total_s",
-    "kv_transfer_params"} (streamed answers reassembled; ttft_s: first streamed token, else the whole answer)."""
+    "kv_transfer_params"} (streamed answers reassembled; ttft_s: first streamed token, else the whole answer).
+    A completion's prompt may be token ids."""
     body: dict[str, Any] = {
         "model": "tiny",
         "max_tokens": max_tokens,

@@ -61,10 +61,18 @@ def check_remote_blocks(params: KVTransferParams, num_prompt_tokens: int, block_
 class LeaseKeeper:
     """KVKeeper: lease a finished prefill's prompt blocks, free the rest, remember the params."""
 
-    def __init__(self, connector: KVConnector, free_blocks: Callable[[list[int]], None], block_size: int) -> None:
+    def __init__(
+        self,
+        connector: KVConnector,
+        free_blocks: Callable[[list[int]], None],
+        block_size: int,
+        prompt_digest: bytes = b"",
+    ) -> None:
+        """`prompt_digest` (`params.prompt_digest` of the prompt) binds the lease to the prompt it was computed for."""
         self._connector = connector
         self._free = free_blocks
         self._block_size = block_size
+        self._prompt_digest = prompt_digest
         self.params: KVTransferParams | None = None
         self.error: KVConnectError | None = None
 
@@ -73,7 +81,9 @@ class LeaseKeeper:
         if k == 0:
             return False
         try:
-            self.params = self._connector.lease(request_id, block_ids[:k], num_prompt_tokens - 1)
+            self.params = self._connector.lease(
+                request_id, block_ids[:k], num_prompt_tokens - 1, prompt_digest=self._prompt_digest
+            )
         except KVConnectError as e:
             log.error("request %s: cannot lease its blocks: %s", request_id, e)
             self.error = e
@@ -100,8 +110,11 @@ class PullLoader:
         policy: FailurePolicy,
         block_size: int,
         on_failed: FailureCallback | None = None,
+        prompt_digest: bytes = b"",
     ) -> None:
+        """`prompt_digest`: of the prompt this decode serves (a prefill's lease bound to another refuses it)."""
         self._connector = connector
+        self._prompt_digest = prompt_digest
         self._params = params
         self._policy = policy
         self._block_size = block_size
@@ -121,7 +134,7 @@ class PullLoader:
         try:
             check_remote_blocks(self._params, num_prompt_tokens, self._block_size)
             k = blocks_to_transfer(num_prompt_tokens, self._block_size)
-            self.handle = self._connector.pull(self._params, block_ids[:k], request_id)
+            self.handle = self._connector.pull(self._params, block_ids[:k], request_id, self._prompt_digest)
         except KVConnectError as e:
             raise self._failed(e, quarantined=False) from None
         return self

@@ -32,7 +32,7 @@ from kvconnect.core.config import (
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.errors import InvalidRequestError, KVConnectError, LeaseLostError, LocalError
 from kvconnect.core.faults import FaultHooks
-from kvconnect.core.plan.params import parse_kv_transfer_params
+from kvconnect.core.plan.params import parse_kv_transfer_params, prompt_digest
 from kvconnect.core.snapshot import ConnectorSnapshot
 from kvconnect.engine.config import EngineConfig
 from kvconnect.engine.engine import Engine
@@ -137,7 +137,9 @@ class Worker:
             if kv is not None and kv.do_remote_decode:
                 if self.role == "decode":
                     raise InvalidRequestError("kv_transfer_params.do_remote_decode", "this worker's role is decode")
-                keeper = LeaseKeeper(self.connector, self.engine.allocator.free, self.block_size)
+                keeper = LeaseKeeper(
+                    self.connector, self.engine.allocator.free, self.block_size, prompt_digest(prompt_ids)
+                )
             elif kv is not None and kv.do_remote_prefill:
                 if self.role == "prefill":
                     raise InvalidRequestError("kv_transfer_params.do_remote_prefill", "this worker's role is prefill")
@@ -148,6 +150,7 @@ class Worker:
                     self.connector.config.failure_policy,
                     self.block_size,
                     on_failed=self._on_pull_failed,
+                    prompt_digest=prompt_digest(prompt_ids),
                 )
             events = self._submit(request_id, prompt_ids, sampling, loader, keeper)
         except LocalError as e:

@@ -24,6 +24,7 @@ class LeaseOrder:
     block_ids: list[int]
     num_tokens: int  # tokens of KV the blocks hold
     lease_id: str  # drawn by the scheduler, so that every TP rank grants the same lease
+    prompt_digest: bytes = b""  # binds the lease to the prompt (params.prompt_digest)
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class PullOrder:
     num_prompt_tokens: int
     num_local_hit_tokens: int  # prompt tokens the local prefix cache holds (block aligned)
     refused: tuple[str, str] | None = None  # (field, reason): the worker fails the load naming them
+    prompt_digest: bytes = b""  # of the prompt this decode serves: a lease bound to another refuses the read
 
 
 @dataclass

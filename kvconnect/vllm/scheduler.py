@@ -23,7 +23,7 @@ import msgspec
 from vllm.v1.request import RequestStatus
 
 from kvconnect.core.errors import InvalidRequestError
-from kvconnect.core.plan.params import KVTransferParams, lease_params, parse_kv_transfer_params
+from kvconnect.core.plan.params import KVTransferParams, lease_params, parse_kv_transfer_params, prompt_digest
 from kvconnect.core.prefill.lease import new_lease_id
 from kvconnect.vllm.metadata import LeaseOrder, PullOrder, StepOrders, WorkerHello
 from kvconnect.vllm.settings import VllmSettings
@@ -35,6 +35,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _LEASED_ENDS = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+def _prompt_digest(request: Request) -> bytes:
+    """The digest binding a lease to the request's prompt and cache salt (b"": a prompt without token ids)."""
+    token_ids = getattr(request, "prompt_token_ids", None)
+    if token_ids is None:
+        return b""
+    return prompt_digest(token_ids, getattr(request, "cache_salt", None))
 
 
 def _parsed(raw: dict[str, Any]) -> tuple[KVTransferParams | None, tuple[str, str] | None]:
@@ -85,6 +93,7 @@ class SchedulerSide:
                     request.num_prompt_tokens,
                     request.num_prompt_tokens - num_external_tokens,
                     refused,
+                    _prompt_digest(request),
                 )
             )
         elif parsed is not None:  # the local prefix cache holds the whole prompt: nothing to read
@@ -114,7 +123,7 @@ class SchedulerSide:
         ids = [int(b) for b in block_ids]
         num_tokens = int(request.num_computed_tokens)
         lease_id = new_lease_id()
-        self._orders.leases.append(LeaseOrder(request.request_id, ids, num_tokens, lease_id))
+        self._orders.leases.append(LeaseOrder(request.request_id, ids, num_tokens, lease_id, _prompt_digest(request)))
         port = hello.side_channel_port if hello is not None else config.side_channel_port
         return True, msgspec.to_builtins(
             lease_params(

@@ -128,7 +128,13 @@ class WorkerSide:
         for lease in orders.leases:
             self._leased.add(lease.request_id)
             try:
-                conn.lease(lease.request_id, lease.block_ids, lease.num_tokens, lease_id=lease.lease_id)
+                conn.lease(
+                    lease.request_id,
+                    lease.block_ids,
+                    lease.num_tokens,
+                    lease_id=lease.lease_id,
+                    prompt_digest=lease.prompt_digest,
+                )
             except KVConnectError as e:  # nobody can read it: give the blocks back at once
                 log.error("kvconnect: request %s: cannot lease its blocks: %s", lease.request_id, e)
                 self._lease_ended(lease.request_id, LeaseState.UNKNOWN)
@@ -168,7 +174,7 @@ class WorkerSide:
             wanted = msgspec.structs.replace(
                 params, remote_block_ids=remote[len(remote) - len(local) :], remote_num_tokens=None
             )
-            load.handle = self._require().pull(wanted, local, order.request_id)
+            load.handle = self._require().pull(wanted, local, order.request_id, order.prompt_digest)
         except KVConnectError as e:
             self._failed(load, e)
 

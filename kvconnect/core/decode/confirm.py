@@ -37,6 +37,7 @@ from kvconnect.core.wire import lease_client
 from kvconnect.core.wire import protocol as p
 
 BLOCKS_REFUSED = "block_ids:"  # how the prefill's lease table starts a refusal of blocks it did not lease
+PROMPT_REFUSED = "prompt:"  # ... and of a reader serving another prompt (prefill/lease.py: not imported here)
 ASK_AGAIN_S = (0.002, 0.05)  # first and longest wait before asking again about a lease not granted yet
 
 
@@ -47,6 +48,11 @@ def refusal(pull: Pull, reply: p.LeaseReply) -> KVConnectError | None:
         return LeaseLostError(
             f"pull {pull.handle.request_id}: the prefill refused kv_transfer_params."
             f"remote_block_ids: {reply.reason.removeprefix(BLOCKS_REFUSED).strip()}"
+        )
+    if reply.reason.startswith(PROMPT_REFUSED):
+        return LeaseLostError(
+            f"pull {pull.handle.request_id}: the prefill refused the read: "
+            f"{reply.reason.removeprefix(PROMPT_REFUSED).strip()}; data discarded"
         )
     return None
 
@@ -90,10 +96,17 @@ class LeaseConfirmation:
         assert pull.source is not None
         now = time.monotonic()
         pin_s = max(pull.deadline_s - now, 0.001)
-        pull.pin_until_s = now + pin_s  # the prefill pins from when it gets this, so at least until then
+        pull.pin_sent_s = now
+        pull.pin_until_s = now + pin_s  # at most: the answer says how long the prefill really keeps it
         pull.pin = PinState.SENT
         msg = lease_client.pin(
-            self._engine_id, pull.lease_id, pull.source, pull.remote_block_ids, pin_s, pull.read_token
+            self._engine_id,
+            pull.lease_id,
+            pull.source,
+            pull.remote_block_ids,
+            pin_s,
+            pull.read_token,
+            pull.prompt_digest,
         )
         peer.confirming[p.ref_of(msg)] = pull
         peer.channel.send(msg)
@@ -110,6 +123,8 @@ class LeaseConfirmation:
     def answer(self, peer: Peer, pull: Pull, reply: p.LeaseReply | HandshakeError) -> None:
         """The prefill's answer to this pull's PIN or CONFIRM."""
         refused = refusal(pull, reply) if isinstance(reply, p.LeaseReply) else None
+        if refused is not None:  # refused as a reader: it holds no pin, and a release (what failing a pinned
+            pull.pin = PinState.NONE  # pull sends) would end a lease it has no claim on: its owner's
         if (
             isinstance(reply, p.LeaseReply)
             and peer.info is not None
@@ -136,6 +151,8 @@ class LeaseConfirmation:
                 pull.pin, pull.pin_error = PinState.LOST, f"unpinned ({reply})"
             elif reply.state in (p.LeaseState.HELD, p.LeaseState.COMPLETED):
                 pull.pin = PinState.HELD  # (COMPLETED: our READ's notification already ended the lease)
+                if reply.state is p.LeaseState.HELD:  # the prefill pins from when it got the PIN, for pin_ms
+                    pull.pin_until_s = min(pull.pin_until_s, pull.pin_sent_s + reply.pin_ms / 1000)
             else:
                 pull.pin, pull.pin_error = PinState.LOST, lease_problem(reply)
             if pull.phase is PullPhase.CONFIRMING:  # the transfer is already done
@@ -227,7 +244,9 @@ class LeaseConfirmation:
             return
         src = pull.source
         assert src is not None
-        confirm = lease_client.confirm(self._engine_id, pull.lease_id, src, pull.remote_block_ids, pull.read_token)
+        confirm = lease_client.confirm(
+            self._engine_id, pull.lease_id, src, pull.remote_block_ids, pull.read_token, pull.prompt_digest
+        )
         if pull.pin is PinState.HELD and time.monotonic() < pull.pin_until_s:
             peer.channel.send(confirm)  # ends our pin and, for the last reader, the lease; answer not needed
             pull.handle.stats.confirm_s = time.monotonic() - pull.read_done_s

@@ -167,6 +167,8 @@ class Pull:
     # this pull's own claim on the lease (lease.py): a replay of the same params by another pull has another
     read_token: bytes = field(default_factory=lambda: secrets.token_bytes(16))
     remote_digest: bytes = b""  # the prefill's digest of the blocks read, from its lease answer (kv_digest)
+    prompt_digest: bytes = b""  # the prompt this decode serves (`params.prompt_digest`): a bound lease checks it
+    pin_sent_s: float = 0.0  # when the PIN left: the prefill's pin lasts at least its granted length from then
 
     def notif(self, incarnation_id: str) -> bytes:
         """The notification this pull's READ carries to the prefill (it completes the lease for this reader)."""
@@ -178,6 +180,7 @@ class Pull:
             self.source.readers,
             self.remote_block_ids.tolist(),
             self.read_token,
+            self.prompt_digest,
         )
 
     def run_on_settled(self) -> None:
@@ -199,6 +202,7 @@ class Pull:
         request_id: str | None,
         spec: CacheSpec,
         timeout_s: float,
+        prompt_digest: bytes = b"",
     ) -> Pull:
         """Validate a pull request (any thread); InvalidRequestError names the field, nothing is posted."""
         target = validated_pull(params, local_block_ids, spec.num_blocks, spec.model_kv_heads)
@@ -217,6 +221,7 @@ class Pull:
             deadline_s=now + timeout_s,
             remote_tp=target.tp_size,
             num_tokens=target.num_tokens,
+            prompt_digest=prompt_digest,
         )
 
     def parts_for(self, reads: Sequence[Source]) -> list[Pull]:

@@ -75,10 +75,16 @@ class DecodeSide:
     # --- any thread --------------------------------------------------------------------------------
 
     def prepare(
-        self, params: KVTransferParams, local_block_ids: Sequence[int], request_id: str | None
+        self,
+        params: KVTransferParams,
+        local_block_ids: Sequence[int],
+        request_id: str | None,
+        prompt_digest: bytes = b"",
     ) -> tuple[PullHandle, Callable[[], None]]:
         """Validate a pull; returns its handle and the function that starts it at the next tick."""
-        pull = Pull.from_params(params, local_block_ids, request_id, self._cache.spec, self._config.pull_timeout_s)
+        pull = Pull.from_params(
+            params, local_block_ids, request_id, self._cache.spec, self._config.pull_timeout_s, prompt_digest
+        )
         if not self._allowed.allows(pull.remote_host):  # before any connection is made
             raise InvalidRequestError(
                 "kv_transfer_params.remote_host",
@@ -349,7 +355,12 @@ class DecodeSide:
             error,
             f" (prefill rank {rank})" if rank else "",
         )
-        if pull.posted is None:
+        if pull in self._posted:  # failed while its transfer runs (a refused pin): the blocks wait for its end
+            self._posted.remove(pull)
+            peer = self.peers.get(pull.peer_key)
+            abandonable = pull.posted is not None and pull.posted.abandonable
+            self.abandoned.add(pull, peer.agent_name if peer is not None and abandonable else "")
+        elif pull.posted is None:
             pull.run_on_settled()  # no transfer can land in its staging blocks any more
         pull.finish(error)
         self._report(pull, error)

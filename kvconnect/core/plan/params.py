@@ -15,6 +15,7 @@ Whether the remote blocks are the ones the prefill leased to this request is che
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,6 +57,21 @@ class KVTransferParams(msgspec.Struct):
     # the prefill's random id of the lease that holds the blocks: the key every PIN, CONFIRM, RELEASE and
     # notification names (`remote_request_id` is only the request's label for logs)
     remote_lease_id: str | None = None
+
+
+PROMPT_DIGEST_BYTES = 16
+
+
+def prompt_digest(token_ids: Sequence[int] | np.ndarray, cache_salt: str | None = None) -> bytes:
+    """What binds a lease to its prompt: a digest of the prompt's token ids (and the request's cache salt,
+    which keeps tenants' prefix caches apart). The prefill grants a lease under the digest of the prompt it
+    computed; a decode names the digest of the prompt it serves, and a lease refuses any other."""
+    h = hashlib.blake2b(digest_size=PROMPT_DIGEST_BYTES, person=b"kvc-prompt")
+    salt = (cache_salt or "").encode()
+    h.update(len(salt).to_bytes(8, "little"))
+    h.update(salt)
+    h.update(np.asarray(token_ids, dtype="<i8").tobytes())
+    return h.digest()
 
 
 def lease_params(

@@ -14,6 +14,9 @@ that will read them. The rules:
 - **Bound to blocks.** A reader names the blocks it read; `blocks_problem` refuses any the lease does not
   hold (a suffix of the leased ids is fine: a decode's own prefix-cache hit reads fewer), and a refusal
   leaves the lease as it was.
+- **Bound to a prompt.** A lease granted with a prompt digest (`params.prompt_digest`) answers a PIN,
+  CONFIRM or notification only when it names the same digest: a client cannot have one prompt decoded from
+  another prompt's KV (nor cache it under the other prompt's hashes). A lease granted without one is unbound.
 - **Pins.** A reader may pin a held lease before its read ends: until the pin ends (complete, release, or
   its own deadline) the blocks are not handed back, whatever ends the lease meanwhile; that end takes
   effect when the last pin goes.
@@ -41,6 +44,7 @@ MAX_EARLY_ID = 256  # longer request ids are not remembered (a peer's message ma
 
 
 LEASE_ID_BYTES = 18  # random bytes in a lease id (24 url-safe characters)
+PROMPT_REFUSED = "prompt:"  # how a refusal for another prompt starts (the decode reads it: decode/confirm.py)
 
 
 def new_lease_id() -> str:
@@ -63,6 +67,7 @@ class Lease:
     deferred: bool = False  # ended while pinned: blocks go back when the last pin ends
     deferred_scrub: Callable[[list[int]], None] | None = None
     content: tuple[int, ...] = ()  # per block, its content sum at grant (kv_digest; digest.py), or nothing
+    prompt: bytes = b""  # the digest of the prompt whose KV the blocks hold (b"": not bound)
 
     @property
     def request_id(self) -> str:
@@ -134,6 +139,19 @@ class LeaseTable:
             return f"block_ids: the lease cannot name {list(ids[:8])}{'...' if len(ids) > 8 else ''}: {what}"
         return ""
 
+    def prompt_problem(self, lease_id: str, prompt: bytes) -> str:
+        """Why a reader naming the prompt digest `prompt` may not read lease `lease_id` ("" when it may)."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            bound = lease.prompt if lease is not None else b""
+        if not bound or hmac.compare_digest(bound, prompt):
+            return ""
+        return PROMPT_REFUSED + (
+            " the lease holds the KV of another prompt"
+            if prompt
+            else " the lease is bound to its prompt; none was named"
+        )
+
     def digest_matches(self, lease_id: str, num_blocks: int, digest: bytes) -> bool:
         """Whether a notification's (count, digest) names a suffix of the lease's blocks (see protocol)."""
         with self._lock:
@@ -161,7 +179,14 @@ class LeaseTable:
             by_block = dict(zip(lease.block_ids, lease.content, strict=True)) if lease and lease.content else {}
         return [by_block[int(b)] for b in block_ids] if all(int(b) in by_block for b in block_ids) else None
 
-    def grant(self, lease_id: str, block_ids: Iterable[int], label: str = "", content: Sequence[int] = ()) -> Lease:
+    def grant(
+        self,
+        lease_id: str,
+        block_ids: Iterable[int],
+        label: str = "",
+        content: Sequence[int] = (),
+        prompt: bytes = b"",
+    ) -> Lease:
         """Lease `block_ids` under the lease id `lease_id` (`new_lease_id()`; a TP group's ranks share one).
         Blocks other live leases hold may be leased again (shared prefix blocks); an id the table still
         remembers, held or ended, is refused: its blocks might otherwise never be handed back."""
@@ -172,7 +197,9 @@ class LeaseTable:
             if len(set(ids)) != len(ids):
                 raise LeaseError(f"lease {label or lease_id[:8]}: duplicated block ids")
             now = self._clock()
-            lease = Lease(lease_id, ids, now, now + self.ttl_s, label=label, content=tuple(int(x) for x in content))
+            lease = Lease(
+                lease_id, ids, now, now + self.ttl_s, label=label, content=tuple(int(x) for x in content), prompt=prompt
+            )
             self._leases[lease_id] = lease
             for b in ids:
                 self._holders[b] = self._holders.get(b, 0) + 1

@@ -61,6 +61,8 @@ class PrefillSide:
         problem = self._leases.blocks_problem(lease_id, msg.block_ids)
         if not problem and msg.action is not p.LeaseAction.RELEASE and not msg.read_token:
             problem = "read_token: required for a pin or a confirmation"
+        if not problem and msg.action is not p.LeaseAction.RELEASE:
+            problem = self._leases.prompt_problem(lease_id, msg.prompt_digest)
         if problem:  # names blocks its lease does not hold: refused, the lease left as it is
             log.warning("lease %s...: %s refused from %s: %s", lease_id[:8], msg.action.value, peer, problem)
             return p.LeaseReply(lease_id, p.LeaseState.UNKNOWN, self._incarnation_id, reason=problem, seq=msg.seq)
@@ -79,7 +81,8 @@ class PrefillSide:
             log.warning("lease %s...: %s from %s refused: another reader's", lease_id[:8], msg.action.value, peer)
         sums = self._leases.content_of(lease_id, msg.block_ids) if state in READ_OK else None
         kv_digest = digest(sums) if sums else b""
-        return p.LeaseReply(lease_id, state, self._incarnation_id, seq=msg.seq, kv_digest=kv_digest)
+        granted_ms = round(pin_s * 1000) if msg.action is p.LeaseAction.PIN and state is p.LeaseState.HELD else 0
+        return p.LeaseReply(lease_id, state, self._incarnation_id, seq=msg.seq, kv_digest=kv_digest, pin_ms=granted_ms)
 
     def drain_notifs(self) -> None:
         """Complete the leases whose READs have ended, as their notifications say."""
@@ -94,6 +97,7 @@ class PrefillSide:
                     notif.incarnation_id != self._incarnation_id
                     or not notif.read_token
                     or not self._leases.digest_matches(notif.lease_id, notif.num_blocks, notif.blocks_digest)
+                    or self._leases.prompt_problem(notif.lease_id, notif.prompt_digest)
                 ):
                     self._counters.stale_notifs += 1  # another incarnation's, or a read of blocks not leased
                     continue

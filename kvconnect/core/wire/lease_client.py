@@ -49,6 +49,7 @@ def pin(
     block_ids: Sequence[int] | np.ndarray,
     pin_s: float,
     read_token: bytes,
+    prompt_digest: bytes = b"",
 ) -> p.LeaseRequest:
     """Keep the blocks for this reader until it confirms, or for `pin_s` at most."""
     return p.LeaseRequest(
@@ -62,11 +63,17 @@ def pin(
         block_ids=_ids(block_ids),
         seq=next(_seq),
         read_token=read_token,
+        prompt_digest=prompt_digest,
     )
 
 
 def confirm(
-    engine_id: str, lease_id: str, source: Source, block_ids: Sequence[int] | np.ndarray, read_token: bytes
+    engine_id: str,
+    lease_id: str,
+    source: Source,
+    block_ids: Sequence[int] | np.ndarray,
+    read_token: bytes,
+    prompt_digest: bytes = b"",
 ) -> p.LeaseRequest:
     """This reader's read is done: was the lease (or its pin) held until then?"""
     return p.LeaseRequest(
@@ -79,6 +86,7 @@ def confirm(
         block_ids=_ids(block_ids),
         seq=next(_seq),
         read_token=read_token,
+        prompt_digest=prompt_digest,
     )
 
 

@@ -25,7 +25,8 @@ from kvconnect.core.plan.layout import CacheSpec
 
 # Peers of another version are refused by version, naming both. 2: leases keyed by the prefill's random lease
 # id and every PIN, CONFIRM, RELEASE and notification carrying its reader's read token; 3: the KV digest;
-# 4: a handshake answer carries each transport's offer (`PeerInfo.offers`) instead of IPC fields of its own
+# 4: a handshake answer carries each transport's offer (`PeerInfo.offers`) instead of IPC fields of its own;
+# leases bound to their prompt (`prompt_digest`), and a PIN's answer says how long the pin lasts (`pin_ms`)
 PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # agent metadata is the largest part (tens of KiB)
 
@@ -79,6 +80,8 @@ class LeaseRequest(msgspec.Struct, tag="lease"):
     block_ids: list[int] = []
     seq: int = 0  # the sender's number for this message, echoed in the reply (pairs replies with requests)
     read_token: bytes = b""  # PIN / CONFIRM (and a reader's RELEASE): the pull's own random token (lease.py)
+    # PIN / CONFIRM: `prompt_digest` of the prompt the reader serves; a lease bound to a prompt refuses any other
+    prompt_digest: bytes = b""
 
 
 # --- side channel: replies -----------------------------------------------------------------------
@@ -110,6 +113,7 @@ class LeaseReply(msgspec.Struct, tag="lease_reply"):
     reason: str = ""  # why a request was refused (the state is then UNKNOWN, or the lease's own state)
     seq: int = 0  # the request's `seq`
     kv_digest: bytes = b""  # a held or completed lease's digest of the blocks named (kv_digest; digest.py)
+    pin_ms: int = 0  # a PIN answered HELD: how long the prefill keeps it, from when it got the PIN (capped by its TTL)
 
 
 class ErrorReply(msgspec.Struct, tag="error"):
@@ -201,6 +205,7 @@ class PullNotif(msgspec.Struct, tag="pulled", array_like=True):
     blocks_digest: bytes = b""  # `blocks_digest` of the remote block ids read (a lease completes only if it
     num_blocks: int = 0  # holds exactly those, as a suffix of its own; see lease.py)
     read_token: bytes = b""  # the reader's token (see LeaseRequest)
+    prompt_digest: bytes = b""  # see LeaseRequest
 
 
 _notif_decoder = msgspec.msgpack.Decoder(PullNotif)
@@ -221,9 +226,12 @@ def encode_notif(
     readers: int = 1,
     block_ids: Sequence[int] = (),
     read_token: bytes = b"",
+    prompt_digest: bytes = b"",
 ) -> bytes:
     digest = blocks_digest(block_ids) if len(block_ids) else b""
-    return _encoder.encode(PullNotif(lease_id, incarnation_id, reader, readers, digest, len(block_ids), read_token))
+    return _encoder.encode(
+        PullNotif(lease_id, incarnation_id, reader, readers, digest, len(block_ids), read_token, prompt_digest)
+    )
 
 
 def decode_notif(data: bytes) -> PullNotif:
