@@ -127,6 +127,30 @@ def test_garbage_truncated_oversized_and_wrong_version(ctx, server) -> None:
     assert isinstance(request(ctx, "127.0.0.1", server.port, hello(), 5, server.secret), p.PeerInfo)
 
 
+def test_a_frame_over_the_request_cap_drops_its_connection_before_any_check(ctx, server) -> None:
+    """A request is KiB: a connection announcing a larger frame is dropped by ZMQ as soon as it reads the
+    frame's size, before the secret is checked (the cap was the 4 MiB of a reply, so 150 unauthenticated
+    connections each withholding the last byte of such a frame held 600 MiB)."""
+    import zmq.utils.monitor as zmon
+
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+    sock.connect(zmq_address("127.0.0.1", server.port))
+    events = []
+    sock.send_multipart([b"", b"\x00" * (p.MAX_REQUEST_BYTES + 1)])
+    deadline = time.monotonic() + 10
+    while zmq.EVENT_DISCONNECTED not in events and time.monotonic() < deadline:
+        if monitor.poll(100):
+            events.append(zmon.recv_monitor_message(monitor)["event"])
+    sock.disable_monitor()
+    monitor.close()
+    sock.close()
+    assert zmq.EVENT_DISCONNECTED in events, events
+    assert p.MAX_REQUEST_BYTES <= 256 * 1024 < p.MAX_MESSAGE_BYTES
+    assert isinstance(request(ctx, "127.0.0.1", server.port, hello(), 5, server.secret), p.PeerInfo)
+
+
 def test_burst_of_connections(ctx, server) -> None:
     socks = []
     for _ in range(100):

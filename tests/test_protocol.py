@@ -66,6 +66,39 @@ def test_ids_are_bounded() -> None:
     assert e.value.field == "kv_transfer_params.remote_lease_id"
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("remote_engine_id", "prefill-0\n(kvconnect) INFO forged line"),
+        ("remote_request_id", "cmpl-1\r\nx"),
+        ("remote_lease_id", "Zq3w8W7m 0xJ2"),
+        ("remote_incarnation_id", "\x1b[31mred"),
+        ("remote_host", "10.0.0.5\n"),
+        ("remote_engine_id", "préfill"),
+    ],
+)
+def test_ids_outside_printable_ascii_are_refused_at_the_edge(field: str, value: str) -> None:
+    """A newline in an id would forge a whole log line wherever the id is logged (review: log injection)."""
+    with pytest.raises(InvalidRequestError, match="printable ASCII") as e:
+        parse_kv_transfer_params({**GOOD, field: value})
+    assert e.value.field == f"kv_transfer_params.{field}"
+    assert parse_kv_transfer_params({**GOOD, "remote_request_id": "my request 7"}) is not None  # (spaces: labels)
+
+
+def test_what_peers_send_reaches_a_log_line_printable_truncated_and_rate_limited() -> None:
+    from kvconnect.core.wire.logs import LogLimiter, loggable
+
+    assert loggable("e\n(kvconnect) forged") == "e?(kvconnect) forged"
+    assert loggable("x" * 100) == "x" * 64 + "..." and loggable("abc", 2) == "ab..."
+    now = [0.0]
+    limiter = LogLimiter(per_s=3, clock=lambda: now[0])
+    allowed = [limiter.allow() for _ in range(50)]
+    assert allowed[:3] == [True] * 3 and not any(allowed[3:])
+    assert limiter.suppressed() == " (47 more suppressed)" and limiter.suppressed() == ""
+    now[0] += 1.0  # a second later: three more lines
+    assert [limiter.allow() for _ in range(4)] == [True, True, True, False]
+
+
 def test_port_range_and_non_object() -> None:
     with pytest.raises(InvalidRequestError, match="remote_port"):
         parse_kv_transfer_params({**GOOD, "remote_port": 70000})

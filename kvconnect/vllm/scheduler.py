@@ -58,6 +58,23 @@ class SchedulerSide:
         self._settings = settings
         self._orders = StepOrders()
         self._hello: dict[int, WorkerHello] = {}  # by TP rank
+        self._refusals = 0  # requests that asked for what this engine's kv_role does not do
+
+    def _may(self, what: str, request: Request) -> bool:
+        """Whether this engine's kv_role lets a client ask it for `what`: a kv_consumer leases nothing for a
+        remote decode (its blocks are its own requests'), a kv_producer pulls from no other prefill."""
+        refused = {"do_remote_decode": "kv_consumer", "do_remote_prefill": "kv_producer"}[what]
+        if self._settings.role != refused:
+            return True
+        if self._refusals < 3 or self._refusals % 1000 == 0:
+            log.warning(
+                "kvconnect: request %r asks a %s for %s; ignored (served as a plain request)",
+                str(request.request_id)[:64],
+                refused,
+                what,
+            )
+        self._refusals += 1
+        return False
 
     def set_xfer_handshake_metadata(self, hello: dict[Any, Any]) -> None:
         """The workers' start-up hellos, keyed by (pp_rank, tp_rank) or tp_rank."""
@@ -72,15 +89,15 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens to load from the remote prefill (asynchronously), beyond the local prefix-cache hit."""
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
+        if not params or not params.get("do_remote_prefill") or not self._may("do_remote_prefill", request):
             return 0, False
         count = request.num_prompt_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
-            return
+        if not params or not params.get("do_remote_prefill") or self._settings.role == "kv_producer":
+            return  # (a producer's refusal was logged by get_num_new_matched_tokens)
         parsed, refused = _parsed(params)
         params["do_remote_prefill"] = False  # one load per request (this is called again once it is scheduled)
         if num_external_tokens > 0:
@@ -110,13 +127,15 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if not params:
             return False, None
-        if params.get("do_remote_prefill"):  # aborted before it was scheduled: free the prefill's blocks now
-            parsed, _ = _parsed(params)
+        if params.get("do_remote_prefill") and self._settings.role != "kv_producer":  # aborted before scheduled:
+            parsed, _ = _parsed(params)  # free the prefill's blocks now
             if parsed is not None:  # (invalid params name no lease we could release)
                 self._orders.releases.append(parsed)
             params["do_remote_prefill"] = False
             return False, None
         if not params.get("do_remote_decode") or request.status not in _LEASED_ENDS or not block_ids:
+            return False, None
+        if not self._may("do_remote_decode", request):
             return False, None
         hello = self._hello.get(0)
         config = self._settings.config

@@ -1,8 +1,9 @@
 """The plug-in's settings: `kv_connector_extra_config` over `KVCONNECT_*` variables over defaults.
 
-Every `ConnectorConfig` field is accepted as an extra-config key (`secret`, `lease_ttl_s`,
-`side_channel_host`, `advertise_host`, `pull_timeout_s`, `transport`, ...); a key that is none of them is
-refused by name. What vLLM already decides is taken from vLLM and cannot be set here: the engine id
+Every `ConnectorConfig` field is accepted as an extra-config key (`secret_file`, `lease_ttl_s`,
+`side_channel_host`, `advertise_host`, `pull_timeout_s`, `transport`, ...) except `secret` (vLLM prints
+the extra config in its start-up log: the secret comes from a file or a variable); a key that is none of
+them is refused by name. What vLLM already decides is taken from vLLM and cannot be set here: the engine id
 (`kv_transfer_config.engine_id`, shared by the scheduler and every worker of an engine) and the failure
 policy (`kv_transfer_config.kv_load_failure_policy`: vLLM's own recompute or fail). `side_channel_port`
 is the TP group's base port: worker rank r listens on base + r; 0 (the default) picks a free port,
@@ -61,10 +62,10 @@ def read_settings(vllm_config: Any) -> VllmSettings:
             f"kv_connector_extra_config: {decided} are vLLM's to decide (kv_transfer_config.engine_id,"
             " kv_transfer_config.kv_load_failure_policy)"
         )
-    if extra.get("secret"):
-        log.warning(
-            "kvconnect: kv_connector_extra_config.secret is set, and vLLM logs kv_connector_extra_config "
-            "in clear at start-up; give the secret as secret_file (a mounted file) or KVCONNECT_SECRET_FILE"
+    if "secret" in extra:  # (the value is never echoed)
+        raise ConfigError(
+            "kv_connector_extra_config.secret: vLLM logs kv_connector_extra_config in clear at start-up; give "
+            "the secret as secret_file (a mounted file), KVCONNECT_SECRET_FILE or KVCONNECT_SECRET instead"
         )
     if not kvt.engine_id:
         raise ConfigError("kv_transfer_config.engine_id is empty")

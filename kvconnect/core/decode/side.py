@@ -42,9 +42,11 @@ from kvconnect.core.errors import (
 from kvconnect.core.plan.params import KVTransferParams
 from kvconnect.core.snapshot import Counters
 from kvconnect.core.wire import protocol as p
+from kvconnect.core.wire.logs import LogLimiter, loggable
 
 log = logging.getLogger(__name__)
 
+FAILURE_LOGS_PER_S = 10.0  # failed pulls logged per second at most (the rest are counted into the next line)
 # on_done(stats of the request, its error or None): once per request, inside a tick
 DoneCallback = Callable[[Pull, KVConnectError | None], None]
 
@@ -71,6 +73,7 @@ class DecodeSide:
         self._confirm = LeaseConfirmation(config, cache, engine_id, self._succeed, self._fail)
         self._allowed = parse_allowlist(config.peer_allowlist)
         self.release = Releases(peers, engine_id, self._allowed)
+        self._failure_logs = LogLimiter(FAILURE_LOGS_PER_S)
 
     # --- any thread --------------------------------------------------------------------------------
 
@@ -348,13 +351,15 @@ class DecodeSide:
         if pull.pin is not PinState.NONE:  # drop our pin now rather than when it times out
             self.release.for_pull(pull)
         rank = pull.source.rank if pull.source is not None else 0
-        log.warning(
-            "pull %s from %s failed: %s%s",
-            pull.handle.request_id,
-            pull.remote_engine_id,
-            error,
-            f" (prefill rank {rank})" if rank else "",
-        )
+        if self._failure_logs.allow():  # (clients choose how many pulls fail: a few lines a second, then a count)
+            log.warning(
+                "pull %s from %s failed: %s%s%s",
+                loggable(pull.handle.request_id),
+                loggable(pull.remote_engine_id),
+                loggable(error, 400),
+                f" (prefill rank {rank})" if rank else "",
+                self._failure_logs.suppressed(),
+            )
         if pull in self._posted:  # failed while its transfer runs (a refused pin): the blocks wait for its end
             self._posted.remove(pull)
             peer = self.peers.get(pull.peer_key)

@@ -38,6 +38,15 @@ PULL_FIELDS = (
 MAX_TP_SIZE = 64  # a client-sent tp_size above this is refused before any peer is dialled (one per rank)
 MAX_ID_CHARS = 256  # remote_request_id / remote_lease_id / remote_engine_id: ids, not payloads
 MAX_REMOTE_BLOCK_ID = 2**62  # remote ids are bounded by the remote spec at planning; this only keeps int64 sane
+_PRINTABLE = re.compile(r"[\x20-\x7e]*")  # printable ASCII, spaces included
+_TOKEN = re.compile(r"[\x21-\x7e]*")  # ... and without spaces
+_ID_FIELDS = {
+    "remote_engine_id": _TOKEN,
+    "remote_request_id": _PRINTABLE,  # (a client's x-request-id may hold spaces)
+    "remote_lease_id": _TOKEN,
+    "remote_incarnation_id": _TOKEN,
+    "remote_host": _TOKEN,
+}
 
 
 class KVTransferParams(msgspec.Struct):
@@ -138,17 +147,29 @@ def parse_kv_transfer_params(obj: object) -> KVTransferParams | None:
         _check_pull_fields(params)
     if not 1 <= params.tp_size <= MAX_TP_SIZE:
         raise InvalidRequestError(f"{FIELD}.tp_size", f"must be in [1, {MAX_TP_SIZE}], got {params.tp_size}")
-    for name in ("remote_engine_id", "remote_request_id", "remote_lease_id", "remote_incarnation_id"):
-        value = getattr(params, name)
-        if value is not None and len(value) > MAX_ID_CHARS:
-            raise InvalidRequestError(f"{FIELD}.{name}", f"longer than {MAX_ID_CHARS} characters")
+    _check_ids(params)
     return params
+
+
+def _check_ids(params: KVTransferParams) -> None:
+    """Ids are short printable ASCII (a newline in one would forge a log line wherever it is logged); every
+    id but the request's own label, and the host, hold no space either."""
+    for name, chars in _ID_FIELDS.items():
+        value = getattr(params, name)
+        if value is None:
+            continue
+        if len(value) > MAX_ID_CHARS:
+            raise InvalidRequestError(f"{FIELD}.{name}", f"longer than {MAX_ID_CHARS} characters")
+        if not chars.fullmatch(value):
+            what = "printable ASCII" if chars is _PRINTABLE else "printable ASCII without spaces"
+            raise InvalidRequestError(f"{FIELD}.{name}", f"must be {what}")
 
 
 def _check_pull_fields(params: KVTransferParams) -> None:
     for name in PULL_FIELDS:
         if getattr(params, name) in (None, ""):
             raise InvalidRequestError(f"{FIELD}.{name}", "required when do_remote_prefill is true")
+    _check_ids(params)
     port = params.remote_port
     if port is not None and not 0 < port < 65536:
         raise InvalidRequestError(f"{FIELD}.remote_port", f"{port} is not a TCP port")

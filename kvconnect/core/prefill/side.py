@@ -18,9 +18,11 @@ from kvconnect.core.errors import KVConnectError
 from kvconnect.core.prefill.lease import LeaseTable
 from kvconnect.core.snapshot import Counters
 from kvconnect.core.wire import protocol as p
+from kvconnect.core.wire.logs import LogLimiter, loggable
 
 log = logging.getLogger(__name__)
 READ_OK = (p.LeaseState.HELD, p.LeaseState.COMPLETED)  # answers that let a read count: they carry the digest
+REFUSAL_LOGS_PER_S = 5.0  # refused lease requests logged per second at most (a peer chooses how many)
 
 
 def peer_info(
@@ -53,18 +55,22 @@ class PrefillSide:
         self._agent = agent
         self._counters = counters
         self._incarnation_id = incarnation_id
+        self._refusal_logs = LogLimiter(REFUSAL_LOGS_PER_S)
 
     def answer(self, msg: p.LeaseRequest) -> p.LeaseReply:
         """A decode's lease request, answered with the lease's state (or a refusal and its reason)."""
         self.drain_notifs()  # a notification may be queued behind this request
-        lease_id, peer = msg.lease_id, msg.engine_id[:64]  # (ids come from a peer: logged truncated)
+        lease_id = msg.lease_id
+        shown, peer = loggable(lease_id, 8), loggable(msg.engine_id)  # (ids come from a peer; a lease id is secret)
         problem = self._leases.blocks_problem(lease_id, msg.block_ids)
         if not problem and msg.action is not p.LeaseAction.RELEASE and not msg.read_token:
             problem = "read_token: required for a pin or a confirmation"
         if not problem and msg.action is not p.LeaseAction.RELEASE:
             problem = self._leases.prompt_problem(lease_id, msg.prompt_digest)
         if problem:  # names blocks its lease does not hold: refused, the lease left as it is
-            log.warning("lease %s...: %s refused from %s: %s", lease_id[:8], msg.action.value, peer, problem)
+            if self._refusal_logs.allow():
+                more = self._refusal_logs.suppressed()
+                log.warning("lease %s: %s refused from %s: %s%s", shown, msg.action.value, peer, problem, more)
             return p.LeaseReply(lease_id, p.LeaseState.UNKNOWN, self._incarnation_id, reason=problem, seq=msg.seq)
         pin_s = min(msg.pin_ms / 1000, self._leases.ttl_s)  # a client-sent pin lasts no longer than a lease
         if msg.action is p.LeaseAction.CONFIRM:
@@ -74,11 +80,11 @@ class PrefillSide:
         else:
             state = self._leases.release(lease_id, msg.reader, msg.block_ids, msg.read_token)
             if state is p.LeaseState.RELEASED:
-                log.info("lease %s... released by %s", lease_id[:8], peer)
+                log.info("lease %s released by %s", shown, peer)
         if state is p.LeaseState.UNKNOWN:
             self._counters.unknown_lease_requests += 1  # not granted yet (lease_grace_s), forgotten, or made up
         elif state is p.LeaseState.CONSUMED:
-            log.warning("lease %s...: %s from %s refused: another reader's", lease_id[:8], msg.action.value, peer)
+            log.warning("lease %s: %s from %s refused: another reader's", shown, msg.action.value, peer)
         sums = self._leases.content_of(lease_id, msg.block_ids) if state in READ_OK else None
         kv_digest = digest(sums) if sums else b""
         granted_ms = round(pin_s * 1000) if msg.action is p.LeaseAction.PIN and state is p.LeaseState.HELD else 0

@@ -21,6 +21,7 @@ import zmq
 
 from kvconnect.core.errors import AuthError, HandshakeError, HandshakeTimeoutError, ProtocolError
 from kvconnect.core.wire import protocol as p
+from kvconnect.core.wire.logs import LogLimiter, loggable
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,6 @@ CLOCK_SKEW_S = 120.0  # a signed message is accepted within this many seconds of
 MAX_NONCES = 1_000_000
 MAX_PER_POLL = 64  # messages one poll serves: a flood must not hold the loop's tick lock (the rest wait a tick)
 REFUSAL_LOGS_PER_S = 5.0  # refusal log lines per second at most (the rest are counted into the next line)
-MAX_LOGGED_ID = 64  # characters of a peer-sent id in a log line
 
 
 def now_ms() -> int:
@@ -61,7 +61,7 @@ class SideChannelServer:
         self._seen: OrderedDict[bytes, int] = OrderedDict()  # nonce -> its message's timestamp (ms)
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_REQUEST_BYTES)  # (a larger frame: its connection is dropped)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         if ":" in host:
             self.sock.setsockopt(zmq.IPV6, 1)
@@ -71,7 +71,7 @@ class SideChannelServer:
             self.sock.bind(zmq_address(host, port))
             self.port = port
         self.num_refused = 0
-        self._log_budget, self._log_at, self._unlogged = REFUSAL_LOGS_PER_S, time.monotonic(), 0
+        self._refusal_logs = LogLimiter(REFUSAL_LOGS_PER_S)
 
     def poll(self, timeout_ms: int, max_messages: int = MAX_PER_POLL) -> int:
         """Serve the messages that arrive within `timeout_ms`, at most `max_messages` of them (the caller
@@ -98,16 +98,9 @@ class SideChannelServer:
 
     def _log_refusal(self, what: str, engine_id: str, problem: str) -> None:
         """A refusal's log line, rate-limited (a peer chooses how often it is refused, and its id)."""
-        now = time.monotonic()
-        self._log_budget = min(REFUSAL_LOGS_PER_S, self._log_budget + (now - self._log_at) * REFUSAL_LOGS_PER_S)
-        self._log_at = now
-        if self._log_budget < 1:
-            self._unlogged += 1
-            return
-        self._log_budget -= 1
-        more = f" ({self._unlogged} more refusals not logged)" if self._unlogged else ""
-        self._unlogged = 0
-        log.warning("side channel: refused %s from engine %r: %s%s", what, engine_id[:MAX_LOGGED_ID], problem, more)
+        if self._refusal_logs.allow():
+            more = self._refusal_logs.suppressed()
+            log.warning("side channel: refused %s from engine %r: %s%s", what, loggable(engine_id), problem, more)
 
     def _answer(self, payload: bytes) -> p.Reply:
         try:

@@ -28,7 +28,11 @@ from kvconnect.core.plan.layout import CacheSpec
 # 4: a handshake answer carries each transport's offer (`PeerInfo.offers`) instead of IPC fields of its own;
 # leases bound to their prompt (`prompt_digest`), and a PIN's answer says how long the pin lasts (`pin_ms`)
 PROTOCOL_VERSION = 4
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # agent metadata is the largest part (tens of KiB)
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a reply: agent metadata is the largest part (tens of KiB)
+# a request (Hello, LeaseRequest) is bytes to KiB; 256 KiB holds ~87,000 block ids. A side-channel server drops
+# a connection announcing a larger frame at once, before authentication: ZMQ allocates a frame's announced
+# size while it waits for the rest, so a cap of MiB let unauthenticated half-sent frames hold MiB each
+MAX_REQUEST_BYTES = 256 * 1024
 
 
 class ErrorCode(str, enum.Enum):
@@ -153,6 +157,8 @@ def _decode(decoder: msgspec.msgpack.Decoder, data: bytes, what: str) -> Any:
 
 
 def decode_request(data: bytes) -> Request:
+    if len(data) > MAX_REQUEST_BYTES:
+        raise ProtocolError(f"request of {len(data)} bytes exceeds {MAX_REQUEST_BYTES}")
     msg = _decode(_request_decoder, data, "request")
     if msg.protocol_version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {msg.protocol_version} != {PROTOCOL_VERSION}")
