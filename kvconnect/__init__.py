@@ -37,7 +37,7 @@ from kvconnect.core.errors import (
 )
 from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 from kvconnect.core.plan.params import KVTransferParams, parse_kv_transfer_params
-from kvconnect.core.prefill.lease import new_lease_id
+from kvconnect.core.prefill.record import new_lease_id
 from kvconnect.core.snapshot import ConnectorSnapshot
 from kvconnect.core.wire.protocol import LeaseState
 

@@ -185,3 +185,25 @@ def test_a_pull_refused_while_its_transfer_runs_keeps_its_blocks_until_the_trans
         poll_until(handle.settled, what="the refused pull's transfer ended")
         assert dec.snapshot().pull_failures == {"LeaseLostError": 1}  # counted once, not again when it landed
     prefill.release(params.remote_lease_id)
+
+
+def test_a_hybrid_models_groups_pull_the_tail_of_each_group_byte_exact(prefill, wire) -> None:
+    """Two KV cache groups (a sliding-window and a full-attention group): the decode reads the tail of each,
+    names them per group in its pin and confirmation, and the lease completes."""
+    from kvconnect.core.plan.groups import GroupedBlocks, tail_pairs
+
+    params = prefill.lease(rid(), [22, 23, 24, 25, 26, 27], 96, group_sizes=[2, 4])
+    assert params.remote_group_sizes == [2, 4] and params.remote_block_ids == [22, 23, 24, 25, 26, 27]
+    remote = GroupedBlocks.flat(params.remote_block_ids, params.remote_group_sizes, "f")
+    local, wanted = tail_pairs(GroupedBlocks.of([[6, 7], [8, 9]]), remote, "f")  # the full group's head is a hit
+    with decoder(wire) as dec:
+        sent = msgspec.structs.replace(
+            params, remote_block_ids=wanted.ids.tolist(), remote_group_sizes=wanted.wire_sizes()
+        )
+        dec.pull(sent, local.ids.tolist()).wait(10)
+        for mine, theirs in zip([6, 7, 8, 9], [22, 23, 26, 27], strict=True):
+            assert dec.cache.block_bytes(mine) == prefill.cache.block_bytes(theirs)
+        flat = msgspec.structs.replace(sent, remote_group_sizes=None)  # the same blocks, groups not named
+        with pytest.raises(LeaseLostError, match="2 KV cache groups, 1 named"):
+            dec.pull(flat, [10, 11, 12, 13]).wait(10)
+    poll_until(lambda: prefill.lease_state(params.remote_lease_id).value == "completed", what="lease completed")

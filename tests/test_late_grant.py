@@ -12,7 +12,7 @@ from kvconnect.core.cache import KVCache
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.errors import LeaseLostError
 from kvconnect.core.plan.layout import CacheSpec, LayoutKind
-from kvconnect.core.prefill.lease import new_lease_id
+from kvconnect.core.prefill.record import new_lease_id
 from kvconnect.harness.prefill import PrefillProcess
 from tests.faultkit import poll_until
 from tests.helpers import config_for_tests

@@ -284,3 +284,39 @@ def test_a_prompt_digest_covers_every_token_and_the_cache_salt() -> None:
     others = [prompt_digest([1, 2]), prompt_digest([1, 2, 4]), prompt_digest([3, 2, 1]), prompt_digest([1, 2, 3], "t")]
     assert base not in others and len(set(others)) == len(others)
     assert prompt_digest([1, 2, 3], "") == base  # no salt and an empty salt are the same
+
+
+def test_a_hybrid_models_lease_takes_a_tail_of_each_kv_cache_group() -> None:
+    """Blocks per KV cache group (plan/groups.py): a reader names, per group, a suffix of the lease's group
+    (its own prefix hit or a sliding window's tail); anything else is refused, and the notification's digest
+    is checked the same way."""
+    from kvconnect.core.wire.protocol import blocks_digest
+
+    t, clock, freed = table()
+    t.grant("hy", [5, 6, 7, 8, 9, 10, 11], group_sizes=(3, 4))  # sliding group [5, 6, 7], full group [8..11]
+    assert t.blocks_problem("hy", [5, 6, 7, 8, 9, 10, 11], (3, 4)) == ""
+    assert t.blocks_problem("hy", [6, 7, 10, 11], (2, 2)) == ""  # a tail of each group
+    assert "not the tail" in t.blocks_problem("hy", [6, 7, 8, 9], (2, 2))  # the full group's head
+    assert "2 KV cache groups, 1 named" in t.blocks_problem("hy", [10, 11])  # a flat tail is not enough
+    assert "do not split" in t.blocks_problem("hy", [6, 7, 10, 11], (2, 3))
+    assert t.digest_matches("hy", 4, blocks_digest([6, 7, 10, 11]), (2, 2))
+    assert not t.digest_matches("hy", 4, blocks_digest([6, 7, 10, 11]), ())
+    assert not t.digest_matches("hy", 4, blocks_digest([7, 8, 10, 11]), (2, 2))
+    with pytest.raises(LeaseError, match="do not split"):
+        t.grant("bad", [1, 2, 3], group_sizes=(1, 1))
+    assert t.state("hy") is LeaseState.HELD and freed == []
+
+
+def test_grouped_blocks_pair_the_tail_of_each_group() -> None:
+    from kvconnect.core.errors import InvalidRequestError
+    from kvconnect.core.plan.groups import GroupedBlocks, tail_pairs
+
+    remote = GroupedBlocks.flat([5, 6, 7, 8, 9, 10, 11], [3, 4], "f")
+    local = GroupedBlocks.of([[20, 21, 22], [30, 31]])
+    mine, theirs = tail_pairs(local, remote, "f")
+    assert mine.ids.tolist() == [20, 21, 22, 30, 31] and theirs.ids.tolist() == [5, 6, 7, 10, 11]
+    assert theirs.sizes == (3, 2) and theirs.wire_sizes() == [3, 2] and GroupedBlocks.of([[1, 2]]).wire_sizes() is None
+    with pytest.raises(InvalidRequestError, match="2 remote blocks for 3 blocks to load in KV cache group 1"):
+        tail_pairs(GroupedBlocks.of([[1], [2, 3, 4]]), GroupedBlocks.of([[5], [6, 7]]), "f")
+    with pytest.raises(InvalidRequestError, match="do not split"):
+        GroupedBlocks.flat([1, 2, 3], [1, 1], "kv_transfer_params.remote_group_sizes")

@@ -310,7 +310,7 @@ def test_a_pull_ends_by_its_own_deadline_while_its_peer_never_answers() -> None:
     params = params_to(port, "mute")
     try:
         with decoder(LayoutKind.CROSS_LAYER, handshake_timeout_s=60, pull_timeout_s=1.0) as dec:
-            with pytest.raises(TransferTimeoutError, match="not ready within the pull's deadline"):
+            with pytest.raises(TransferTimeoutError, match="not ready before its deadline"):
                 dec.pull(params, [0]).wait(30)
     finally:
         silent.close()

@@ -30,7 +30,7 @@ from kvconnect.core.connector import KVConnector
 from kvconnect.core.decode.pull import PullHandle, PullStats
 from kvconnect.core.errors import KVConnectError, TransferError
 from kvconnect.core.plan.hetero import Source
-from kvconnect.core.prefill.lease import new_lease_id
+from kvconnect.core.prefill.record import new_lease_id
 from kvconnect.harness.net import free_port_run
 from kvconnect.harness.prefill import PrefillProcess
 

@@ -31,8 +31,10 @@ from kvconnect.core.digest import block_sums
 from kvconnect.core.errors import KVConnectError
 from kvconnect.core.faults import FaultHooks
 from kvconnect.core.loop import Loop
+from kvconnect.core.plan.groups import GroupedBlocks
 from kvconnect.core.plan.params import KVTransferParams, lease_params, validate_block_ids
-from kvconnect.core.prefill.lease import Lease, LeaseTable, new_lease_id
+from kvconnect.core.prefill.lease import LeaseTable
+from kvconnect.core.prefill.record import Lease, new_lease_id
 from kvconnect.core.prefill.side import PrefillSide, peer_info
 from kvconnect.core.snapshot import ConnectorSnapshot, Counters
 from kvconnect.core.transports.base import Transport, TransportKind
@@ -138,6 +140,7 @@ class KVConnector:
         num_tokens: int | None = None,
         lease_id: str | None = None,
         prompt_digest: bytes = b"",
+        group_sizes: Sequence[int] = (),
     ) -> KVTransferParams:
         """Hold `block_ids` for a remote reader; returns the kv_transfer_params to hand to decode.
 
@@ -146,11 +149,15 @@ class KVConnector:
         `new_lease_id()`) and listen on consecutive side channel ports (rank r on base + r); the params name
         the base port, so rank 0's params serve all. Blocks other live leases hold may be leased again.
         `prompt_digest` (`params.prompt_digest` of the prompt's token ids) binds the lease to its prompt: a
-        reader serving another prompt is refused."""
+        reader serving another prompt is refused. `group_sizes`: a hybrid model's blocks per KV cache group,
+        `block_ids` being the groups one after the other (plan/groups.py)."""
         ids = validate_block_ids("block_ids", block_ids, self.spec.num_blocks).tolist()
         lease_id = lease_id or new_lease_id()
         content = block_sums(self.cache, ids) if self.config.kv_digest else ()
-        self._leases.grant(lease_id, ids, label=request_id, content=content, prompt=prompt_digest)
+        groups = GroupedBlocks.flat(ids, list(group_sizes), "group_sizes")
+        self._leases.grant(
+            lease_id, ids, label=request_id, content=content, prompt=prompt_digest, group_sizes=groups.sizes
+        )
         return lease_params(
             engine_id=self.engine_id,
             host=self.config.advertise_host,
@@ -161,6 +168,7 @@ class KVConnector:
             lease_id=lease_id,
             block_ids=ids,
             num_tokens=num_tokens,
+            group_sizes=groups.wire_sizes(),
         )
 
     def release(self, lease_id: str) -> p.LeaseState:

@@ -24,7 +24,7 @@ from vllm.v1.request import RequestStatus
 
 from kvconnect.core.errors import InvalidRequestError
 from kvconnect.core.plan.params import KVTransferParams, lease_params, parse_kv_transfer_params, prompt_digest
-from kvconnect.core.prefill.lease import new_lease_id
+from kvconnect.core.prefill.record import new_lease_id
 from kvconnect.vllm.metadata import LeaseOrder, PullOrder, StepOrders, WorkerHello
 from kvconnect.vllm.settings import VllmSettings
 

@@ -37,7 +37,7 @@ from kvconnect.core.wire import lease_client
 from kvconnect.core.wire import protocol as p
 
 BLOCKS_REFUSED = "block_ids:"  # how the prefill's lease table starts a refusal of blocks it did not lease
-PROMPT_REFUSED = "prompt:"  # ... and of a reader serving another prompt (prefill/lease.py: not imported here)
+PROMPT_REFUSED = "prompt:"  # ... and of a reader serving another prompt (prefill/record.py: not imported here)
 ASK_AGAIN_S = (0.002, 0.05)  # first and longest wait before asking again about a lease not granted yet
 
 
@@ -107,6 +107,7 @@ class LeaseConfirmation:
             pin_s,
             pull.read_token,
             pull.prompt_digest,
+            pull.group_sizes,
         )
         peer.confirming[p.ref_of(msg)] = pull
         peer.channel.send(msg)
@@ -245,7 +246,13 @@ class LeaseConfirmation:
         src = pull.source
         assert src is not None
         confirm = lease_client.confirm(
-            self._engine_id, pull.lease_id, src, pull.remote_block_ids, pull.read_token, pull.prompt_digest
+            self._engine_id,
+            pull.lease_id,
+            src,
+            pull.remote_block_ids,
+            pull.read_token,
+            pull.prompt_digest,
+            pull.group_sizes,
         )
         if pull.pin is PinState.HELD and time.monotonic() < pull.pin_until_s:
             peer.channel.send(confirm)  # ends our pin and, for the last reader, the lease; answer not needed

@@ -19,6 +19,7 @@ import zmq
 from kvconnect.core.agent import MemKind, NixlAgent, PreppedList
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig
+from kvconnect.core.decode.pull import PullPhase
 from kvconnect.core.decode.staging import StagingPool, reserve
 from kvconnect.core.errors import InvalidRequestError, LayoutMismatchError
 from kvconnect.core.plan.descriptors import strided_descriptor_array, token_span
@@ -61,6 +62,20 @@ class Peer:
     @property
     def key(self) -> str:
         return peer_key(self.engine_id, self.source.rank)
+
+    def take_overdue(self, now: float) -> tuple[list[Pull], list[Pull]]:
+        """Remove and return the pulls past their deadline (or cancelled): those waiting for this peer's
+        handshake, and those waiting for a lease answer after their transfer (a PIN answer pending while the
+        transfer runs is covered by the transfer's own deadline)."""
+        waiting = [x for x in self.waiting if x.handle.cancel_requested or now >= x.deadline_s]
+        self.waiting = [x for x in self.waiting if not any(x is y for y in waiting)]
+        confirming = []
+        for ref, pull in list(self.confirming.items()):
+            if pull.phase is not PullPhase.POSTED and (pull.handle.cancel_requested or now >= pull.deadline_s):
+                del self.confirming[ref]
+                self.channel.forget(ref)
+                confirming.append(pull)
+        return waiting, confirming
 
 
 def peer_key(engine_id: str, rank: int) -> str:
@@ -198,6 +213,12 @@ class PeerSet:
         differ. InvalidRequestError when the ids do not fit the peer."""
         plan, transport, info = peer.plan, peer.transport, peer.info
         assert plan is not None and transport is not None and info is not None
+        if len(pull.group_sizes) > 1 and (plan.path is not Path.BLOCK or not plan.pair.block_for_block):
+            raise InvalidRequestError(
+                "kv_transfer_params.remote_group_sizes",
+                f"a hybrid model's blocks (KV cache groups {list(pull.group_sizes)}) move only between caches "
+                f"with the same block size (local {self._cache.spec.block_size}, remote {info.spec.block_size})",
+            )
         if plan.path is Path.STAGING:
             if not reserve(self.staging_pool(plan), pull):
                 return None

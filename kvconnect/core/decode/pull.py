@@ -169,6 +169,7 @@ class Pull:
     remote_digest: bytes = b""  # the prefill's digest of the blocks read, from its lease answer (kv_digest)
     prompt_digest: bytes = b""  # the prompt this decode serves (`params.prompt_digest`): a bound lease checks it
     pin_sent_s: float = 0.0  # when the PIN left: the prefill's pin lasts at least its granted length from then
+    group_sizes: tuple[int, ...] = ()  # blocks per KV cache group of a hybrid model (plan/groups.py); (n,): one
 
     def notif(self, incarnation_id: str) -> bytes:
         """The notification this pull's READ carries to the prefill (it completes the lease for this reader)."""
@@ -181,6 +182,7 @@ class Pull:
             self.remote_block_ids.tolist(),
             self.read_token,
             self.prompt_digest,
+            self.group_sizes,
         )
 
     def run_on_settled(self) -> None:
@@ -222,6 +224,7 @@ class Pull:
             remote_tp=target.tp_size,
             num_tokens=target.num_tokens,
             prompt_digest=prompt_digest,
+            group_sizes=target.group_sizes,
         )
 
     def parts_for(self, reads: Sequence[Source]) -> list[Pull]:

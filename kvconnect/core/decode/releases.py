@@ -35,7 +35,9 @@ class Releases:
                 peer.channel.forget(ref)
             reader = pull.source.reader if pull.source is not None else lease_client.NON_READER
             peer.channel.send(
-                lease_client.release(self._engine_id, pull.lease_id, pull.remote_block_ids, reader, pull.read_token)
+                lease_client.release(
+                    self._engine_id, pull.lease_id, pull.remote_block_ids, reader, pull.read_token, pull.group_sizes
+                )
             )
 
     def for_params(self, params: KVTransferParams) -> None:
@@ -52,7 +54,12 @@ class Releases:
     def _send(self, params: KVTransferParams, rank: int, host: str, port: int) -> None:
         if not params.remote_engine_id:
             return
-        msg = lease_client.release(self._engine_id, params.remote_lease_id or "", params.remote_block_ids or [])
+        msg = lease_client.release(
+            self._engine_id,
+            params.remote_lease_id or "",
+            params.remote_block_ids or [],
+            group_sizes=params.remote_group_sizes or (),
+        )
         peer = self._peers.get(peer_key(params.remote_engine_id, rank))
         if peer is not None:
             peer.channel.send(msg)

@@ -239,7 +239,6 @@ class DecodeSide:
         for pull in list(self._posted):
             assert pull.posted is not None
             if pull.posted.abandonable and (pull.handle.cancel_requested or now >= pull.deadline_s):
-                self._posted.remove(pull)
                 self._abandon(pull, now)
                 continue
             try:
@@ -286,29 +285,14 @@ class DecodeSide:
                     ),
                 )
                 continue
-            for late in [x for x in peer.waiting if x.handle.cancel_requested or now >= x.deadline_s]:
-                peer.waiting.remove(late)
+            waiting, confirming = peer.take_overdue(now)
+            for late in waiting:
                 self.release.for_pull(late)
-                self._fail(
-                    late,
-                    TransferTimeoutError(
-                        f"pull {late.handle.request_id}: peer {peer.key} not ready within the pull's deadline"
-                        if not late.handle.cancel_requested
-                        else f"pull {late.handle.request_id} cancelled"
-                    ),
-                )
-            for ref, pull in list(peer.confirming.items()):
-                if pull.phase is PullPhase.POSTED:
-                    continue  # a PIN answer pending while the transfer runs: the transfer's deadline covers it
-                if pull.handle.cancel_requested or now >= pull.deadline_s:
-                    del peer.confirming[ref]
-                    peer.channel.forget(ref)
-                    self._fail(
-                        pull,
-                        TransferTimeoutError(
-                            f"pull {pull.handle.request_id}: lease not confirmed before the deadline; data discarded"
-                        ),
-                    )
+                why = "cancelled" if late.handle.cancel_requested else f"peer {peer.key} not ready before its deadline"
+                self._fail(late, TransferTimeoutError(f"pull {late.handle.request_id}: {why}"))
+            for late in confirming:
+                why = "lease not confirmed before the deadline; data discarded"
+                self._fail(late, TransferTimeoutError(f"pull {late.handle.request_id}: {why}"))
 
     def _on_reply(self, peer: Peer, ref: str, reply: p.PeerInfo | p.LeaseReply | HandshakeError) -> None:
         if ref == "hello" or (isinstance(reply, HandshakeError) and not ref):
@@ -326,8 +310,7 @@ class DecodeSide:
         self._confirm.answer(peer, pull, reply)
 
     def _abandon(self, pull: Pull, now: float) -> None:
-        peer = self.peers.get(pull.peer_key)
-        self.abandoned.add(pull, peer.agent_name if peer is not None else "")
+        """Give up a transfer at its deadline or cancellation (failing the pull quarantines its blocks)."""
         self.release.for_pull(pull)
         if pull.handle.cancel_requested:
             self._fail(pull, TransferError(f"pull {pull.handle.request_id} cancelled"))
@@ -360,8 +343,8 @@ class DecodeSide:
                 f" (prefill rank {rank})" if rank else "",
                 self._failure_logs.suppressed(),
             )
-        if pull in self._posted:  # failed while its transfer runs (a refused pin): the blocks wait for its end
-            self._posted.remove(pull)
+        if pull in self._posted:  # its transfer runs on (given up, refused, peer dropped): hold its blocks until it
+            self._posted.remove(pull)  # ends, and a NIXL READ's remote agent with them
             peer = self.peers.get(pull.peer_key)
             abandonable = pull.posted is not None and pull.posted.abandonable
             self.abandoned.add(pull, peer.agent_name if peer is not None and abandonable else "")
@@ -391,10 +374,7 @@ class DecodeSide:
     def _drop_peer(self, peer: Peer, why: str) -> None:
         """Forget a peer: its remote agent, prepared lists, transport and channel. In-flight pulls fail."""
         log.info("dropping peer %s: %s", peer.key, why)
-        for pull in [x for x in self._posted if x.peer_key == peer.key]:
-            self._posted.remove(pull)  # it may still write into its blocks: held until it really ends
-            abandonable = pull.posted is not None and pull.posted.abandonable
-            self.abandoned.add(pull, peer.agent_name if abandonable else "")
+        for pull in [x for x in self._posted if x.peer_key == peer.key]:  # (_fail holds their blocks)
             self._fail(pull, PeerGoneError(f"engine {peer.engine_id} dropped: {why}"))
         for pull in peer.confirming.values():
             self._fail(pull, PeerGoneError(f"engine {peer.engine_id} dropped before confirmation: {why}"))

@@ -24,6 +24,7 @@ import msgspec
 import numpy as np
 
 from kvconnect.core.errors import InvalidRequestError
+from kvconnect.core.plan.groups import GroupedBlocks
 from kvconnect.core.plan.layout import tp_problem
 
 FIELD = "kv_transfer_params"
@@ -66,6 +67,9 @@ class KVTransferParams(msgspec.Struct):
     # the prefill's random id of the lease that holds the blocks: the key every PIN, CONFIRM, RELEASE and
     # notification names (`remote_request_id` is only the request's label for logs)
     remote_lease_id: str | None = None
+    # hybrid models (several KV cache groups: plan/groups.py): blocks per group, `remote_block_ids` being the
+    # groups one after the other; absent for a single group
+    remote_group_sizes: list[int] | None = None
 
 
 PROMPT_DIGEST_BYTES = 16
@@ -94,6 +98,7 @@ def lease_params(
     lease_id: str,
     block_ids: list[int],
     num_tokens: int | None,
+    group_sizes: list[int] | None = None,
 ) -> KVTransferParams:
     """What a prefill hands a decode for one lease: the one place these params are assembled (the connector's
     `lease`, and the vLLM scheduler, which answers before its workers grant). `base_port` is TP rank 0's
@@ -109,6 +114,7 @@ def lease_params(
         remote_incarnation_id=incarnation_id,
         remote_num_tokens=num_tokens,
         remote_lease_id=lease_id,
+        remote_group_sizes=group_sizes,
     )
 
 
@@ -126,6 +132,7 @@ class PullTarget:
     tp_size: int
     incarnation_id: str | None
     num_tokens: int | None
+    group_sizes: tuple[int, ...]  # the remote (and local) blocks per KV cache group
 
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
@@ -177,6 +184,8 @@ def _check_pull_fields(params: KVTransferParams) -> None:
         raise InvalidRequestError(f"{FIELD}.remote_block_ids", "is empty")
     if params.remote_num_tokens is not None and params.remote_num_tokens < 1:
         raise InvalidRequestError(f"{FIELD}.remote_num_tokens", f"must be positive, got {params.remote_num_tokens}")
+    if params.remote_group_sizes is not None:
+        GroupedBlocks.flat(params.remote_block_ids, params.remote_group_sizes, f"{FIELD}.remote_group_sizes")
 
 
 def validate_block_ids(field: str, ids: Sequence[int] | np.ndarray, num_blocks: int) -> np.ndarray:
@@ -210,6 +219,7 @@ def validated_pull(
     _check_pull_fields(params)
     local = validate_block_ids("local_block_ids", local_block_ids, num_local_blocks)
     remote = validate_block_ids(f"{FIELD}.remote_block_ids", params.remote_block_ids or [], MAX_REMOTE_BLOCK_ID)
+    groups = GroupedBlocks.flat(remote, params.remote_group_sizes, f"{FIELD}.remote_group_sizes")
     problem = (
         tp_problem(model_kv_heads, params.tp_size)
         if 1 <= params.tp_size <= MAX_TP_SIZE
@@ -230,4 +240,5 @@ def validated_pull(
         params.tp_size,
         params.remote_incarnation_id,
         params.remote_num_tokens,
+        groups.sizes,
     )

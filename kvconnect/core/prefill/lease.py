@@ -12,8 +12,8 @@ that will read them. The rules:
   (PIN, notification or CONFIRM) claims it. Any other token is answered CONSUMED, so params replayed to a
   second decode never pass as read under the lease.
 - **Bound to blocks.** A reader names the blocks it read; `blocks_problem` refuses any the lease does not
-  hold (a suffix of the leased ids is fine: a decode's own prefix-cache hit reads fewer), and a refusal
-  leaves the lease as it was.
+  hold (a suffix of the leased ids is fine: a decode's own prefix-cache hit reads fewer; for a hybrid
+  model's lease, a suffix of each KV cache group), and a refusal leaves the lease as it was.
 - **Bound to a prompt.** A lease granted with a prompt digest (`params.prompt_digest`) answers a PIN,
   CONFIRM or notification only when it names the same digest: a client cannot have one prompt decoded from
   another prompt's KV (nor cache it under the other prompt's hashes). A lease granted without one is unbound.
@@ -29,55 +29,20 @@ from __future__ import annotations
 
 import hmac
 import logging
-import secrets
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+
+import numpy as np
 
 from kvconnect.core.errors import LeaseError
+from kvconnect.core.plan.groups import MAX_GROUPS
+from kvconnect.core.prefill.record import PROMPT_REFUSED, Lease, grouped
 from kvconnect.core.wire.protocol import LeaseState, blocks_digest
 
 log = logging.getLogger(__name__)
 
 MAX_EARLY_RELEASES = 4096  # releases of leases not granted yet that are remembered at once (oldest dropped)
 MAX_EARLY_ID = 256  # longer request ids are not remembered (a peer's message may be 4 MiB of id)
-
-
-LEASE_ID_BYTES = 18  # random bytes in a lease id (24 url-safe characters)
-PROMPT_REFUSED = "prompt:"  # how a refusal for another prompt starts (the decode reads it: decode/confirm.py)
-
-
-def new_lease_id() -> str:
-    """A fresh, unguessable lease id."""
-    return secrets.token_urlsafe(LEASE_ID_BYTES)
-
-
-@dataclass
-class Lease:
-    lease_id: str
-    block_ids: tuple[int, ...]
-    granted_s: float
-    expires_s: float
-    label: str = ""  # the request's own id (logs, callbacks); never a key
-    state: LeaseState = LeaseState.HELD
-    ended_s: float = 0.0
-    readers_done: frozenset[int] = frozenset()  # decode ranks done reading, when several read it
-    pins: dict[int, float] = field(default_factory=dict)  # reader -> pinned until (clock time)
-    tokens: dict[int, bytes] = field(default_factory=dict)  # reader -> the read token that claimed it
-    deferred: bool = False  # ended while pinned: blocks go back when the last pin ends
-    deferred_scrub: Callable[[list[int]], None] | None = None
-    content: tuple[int, ...] = ()  # per block, its content sum at grant (kv_digest; digest.py), or nothing
-    prompt: bytes = b""  # the digest of the prompt whose KV the blocks hold (b"": not bound)
-
-    @property
-    def request_id(self) -> str:
-        """What logs call this lease: its label, else the start of its id (the id itself is a secret)."""
-        return self.label or self.lease_id[:8]
-
-    def token_ok(self, reader: int, token: bytes) -> bool:
-        """Whether `token` is the one that claimed `reader` (no claim: False)."""
-        owner = self.tokens.get(reader)
-        return owner is not None and hmac.compare_digest(owner, token)
 
 
 class LeaseTable:
@@ -122,19 +87,25 @@ class LeaseTable:
         with self._lock:
             return len(self._holders)
 
-    def blocks_problem(self, lease_id: str, block_ids: Sequence[int]) -> str:
-        """Why `block_ids` may not be named for lease `lease_id` ("" when they may): they must be a
-        non-empty suffix of the leased ids. A lease nobody knows has nothing to protect ("")."""
+    def blocks_problem(self, lease_id: str, block_ids: Sequence[int], group_sizes: Sequence[int] = ()) -> str:
+        """Why `block_ids` (per KV cache group, `group_sizes`) may not be named for lease `lease_id` ("" when
+        they may): a non-empty suffix of the leased ids, of each group's for a hybrid model's lease. A lease
+        nobody knows has nothing to protect ("")."""
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None:
                 return ""
-            leased = lease.block_ids
+            leased = grouped(lease.block_ids, lease.groups)
         ids = tuple(int(b) for b in block_ids)
         if not ids:
-            return f"block_ids: required (the lease holds {len(leased)} blocks)"
-        if len(ids) > len(leased) or leased[len(leased) - len(ids) :] != ids:
-            foreign = sorted(set(ids) - set(leased))[:8]
+            return f"block_ids: required (the lease holds {leased.ids.size} blocks)"
+        if len(group_sizes) > 1 and (len(group_sizes) > MAX_GROUPS or sum(group_sizes) != len(ids)):
+            return "block_ids: group_sizes do not split them"
+        named = grouped(ids, tuple(group_sizes))
+        if named.num_groups != leased.num_groups:
+            return f"block_ids: the lease holds {leased.num_groups} KV cache groups, {named.num_groups} named"
+        if not named.is_tail_of(leased):
+            foreign = sorted(set(ids) - set(lease.block_ids))[:8]
             what = f"blocks {foreign} are not leased to it" if foreign else "they are not the tail of its blocks"
             return f"block_ids: the lease cannot name {list(ids[:8])}{'...' if len(ids) > 8 else ''}: {what}"
         return ""
@@ -152,14 +123,19 @@ class LeaseTable:
             else " the lease is bound to its prompt; none was named"
         )
 
-    def digest_matches(self, lease_id: str, num_blocks: int, digest: bytes) -> bool:
-        """Whether a notification's (count, digest) names a suffix of the lease's blocks (see protocol)."""
+    def digest_matches(self, lease_id: str, num_blocks: int, digest: bytes, group_sizes: Sequence[int] = ()) -> bool:
+        """Whether a notification's (count, digest) names a suffix of the lease's blocks (of each group's, with
+        `group_sizes` counting the blocks read per group; see protocol)."""
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None:
                 return True  # (completing an unknown lease does nothing)
-            leased = lease.block_ids
-        return 0 < num_blocks <= len(leased) and blocks_digest(leased[len(leased) - num_blocks :]) == digest
+            leased = grouped(lease.block_ids, lease.groups)
+        sizes = tuple(group_sizes) if len(group_sizes) > 1 else (num_blocks,)
+        if len(sizes) != leased.num_groups or sum(sizes) != num_blocks or not 0 < num_blocks <= leased.ids.size:
+            return False
+        tails = [g[g.size - n :] for g, n in zip(leased.groups(), sizes, strict=True) if 0 <= n <= g.size]
+        return len(tails) == len(sizes) and blocks_digest(np.concatenate(tails).tolist()) == digest
 
     def held(self) -> list[Lease]:
         """Snapshot of the leases still held."""
@@ -186,6 +162,7 @@ class LeaseTable:
         label: str = "",
         content: Sequence[int] = (),
         prompt: bytes = b"",
+        group_sizes: Sequence[int] = (),
     ) -> Lease:
         """Lease `block_ids` under the lease id `lease_id` (`new_lease_id()`; a TP group's ranks share one).
         Blocks other live leases hold may be leased again (shared prefix blocks); an id the table still
@@ -196,9 +173,19 @@ class LeaseTable:
                 raise LeaseError(f"lease id {lease_id[:8]}... is already in use (lease {label or '?'})")
             if len(set(ids)) != len(ids):
                 raise LeaseError(f"lease {label or lease_id[:8]}: duplicated block ids")
+            groups = tuple(int(n) for n in group_sizes) if len(group_sizes) > 1 else ()
+            if groups and (sum(groups) != len(ids) or min(groups) < 0):
+                raise LeaseError(f"lease {label or lease_id[:8]}: group sizes {list(groups)} do not split its blocks")
             now = self._clock()
             lease = Lease(
-                lease_id, ids, now, now + self.ttl_s, label=label, content=tuple(int(x) for x in content), prompt=prompt
+                lease_id,
+                ids,
+                now,
+                now + self.ttl_s,
+                label=label,
+                content=tuple(int(x) for x in content),
+                prompt=prompt,
+                groups=groups,
             )
             self._leases[lease_id] = lease
             for b in ids:

@@ -62,7 +62,7 @@ class PrefillSide:
         self.drain_notifs()  # a notification may be queued behind this request
         lease_id = msg.lease_id
         shown, peer = loggable(lease_id, 8), loggable(msg.engine_id)  # (ids come from a peer; a lease id is secret)
-        problem = self._leases.blocks_problem(lease_id, msg.block_ids)
+        problem = self._leases.blocks_problem(lease_id, msg.block_ids, msg.group_sizes)
         if not problem and msg.action is not p.LeaseAction.RELEASE and not msg.read_token:
             problem = "read_token: required for a pin or a confirmation"
         if not problem and msg.action is not p.LeaseAction.RELEASE:
@@ -102,7 +102,9 @@ class PrefillSide:
                 if (
                     notif.incarnation_id != self._incarnation_id
                     or not notif.read_token
-                    or not self._leases.digest_matches(notif.lease_id, notif.num_blocks, notif.blocks_digest)
+                    or not self._leases.digest_matches(
+                        notif.lease_id, notif.num_blocks, notif.blocks_digest, notif.group_sizes
+                    )
                     or self._leases.prompt_problem(notif.lease_id, notif.prompt_digest)
                 ):
                     self._counters.stale_notifs += 1  # another incarnation's, or a read of blocks not leased

@@ -42,6 +42,11 @@ def _ids(block_ids: Sequence[int] | np.ndarray) -> list[int]:
     return [int(b) for b in block_ids]
 
 
+def _sizes(group_sizes: Sequence[int]) -> list[int]:
+    """Blocks per KV cache group as a request names them: nothing for a single group."""
+    return [int(n) for n in group_sizes] if len(group_sizes) > 1 else []
+
+
 def pin(
     engine_id: str,
     lease_id: str,
@@ -50,6 +55,7 @@ def pin(
     pin_s: float,
     read_token: bytes,
     prompt_digest: bytes = b"",
+    group_sizes: Sequence[int] = (),
 ) -> p.LeaseRequest:
     """Keep the blocks for this reader until it confirms, or for `pin_s` at most."""
     return p.LeaseRequest(
@@ -64,6 +70,7 @@ def pin(
         seq=next(_seq),
         read_token=read_token,
         prompt_digest=prompt_digest,
+        group_sizes=_sizes(group_sizes),
     )
 
 
@@ -74,6 +81,7 @@ def confirm(
     block_ids: Sequence[int] | np.ndarray,
     read_token: bytes,
     prompt_digest: bytes = b"",
+    group_sizes: Sequence[int] = (),
 ) -> p.LeaseRequest:
     """This reader's read is done: was the lease (or its pin) held until then?"""
     return p.LeaseRequest(
@@ -87,6 +95,7 @@ def confirm(
         seq=next(_seq),
         read_token=read_token,
         prompt_digest=prompt_digest,
+        group_sizes=_sizes(group_sizes),
     )
 
 
@@ -96,6 +105,7 @@ def release(
     block_ids: Sequence[int] | np.ndarray,
     reader: int = NON_READER,
     read_token: bytes = b"",
+    group_sizes: Sequence[int] = (),
 ) -> p.LeaseRequest:
     """Give the blocks back now; a reader releasing as itself (with its token) also drops its own pin."""
     return p.LeaseRequest(
@@ -107,6 +117,7 @@ def release(
         block_ids=_ids(block_ids),
         seq=next(_seq),
         read_token=read_token,
+        group_sizes=_sizes(group_sizes),
     )
 
 
@@ -179,7 +190,12 @@ def release_everywhere(
     lease state it ended in, or the error (a rank that is gone cannot hold anything)."""
     out: dict[int, str] = {}
     for rank, host, port in release_targets(params):
-        msg = release(engine_id, params.remote_lease_id or "", params.remote_block_ids or [])
+        msg = release(
+            engine_id,
+            params.remote_lease_id or "",
+            params.remote_block_ids or [],
+            group_sizes=params.remote_group_sizes or (),
+        )
         try:
             reply = request(ctx, host, port, msg, timeout_s, secret)
         except KVConnectError as e:

@@ -86,6 +86,7 @@ class LeaseRequest(msgspec.Struct, tag="lease"):
     read_token: bytes = b""  # PIN / CONFIRM (and a reader's RELEASE): the pull's own random token (lease.py)
     # PIN / CONFIRM: `prompt_digest` of the prompt the reader serves; a lease bound to a prompt refuses any other
     prompt_digest: bytes = b""
+    group_sizes: list[int] = []  # `block_ids` per KV cache group (plan/groups.py); empty: one group
 
 
 # --- side channel: replies -----------------------------------------------------------------------
@@ -212,6 +213,7 @@ class PullNotif(msgspec.Struct, tag="pulled", array_like=True):
     num_blocks: int = 0  # holds exactly those, as a suffix of its own; see lease.py)
     read_token: bytes = b""  # the reader's token (see LeaseRequest)
     prompt_digest: bytes = b""  # see LeaseRequest
+    group_sizes: list[int] = []  # see LeaseRequest
 
 
 _notif_decoder = msgspec.msgpack.Decoder(PullNotif)
@@ -233,10 +235,21 @@ def encode_notif(
     block_ids: Sequence[int] = (),
     read_token: bytes = b"",
     prompt_digest: bytes = b"",
+    group_sizes: Sequence[int] = (),
 ) -> bytes:
     digest = blocks_digest(block_ids) if len(block_ids) else b""
     return _encoder.encode(
-        PullNotif(lease_id, incarnation_id, reader, readers, digest, len(block_ids), read_token, prompt_digest)
+        PullNotif(
+            lease_id,
+            incarnation_id,
+            reader,
+            readers,
+            digest,
+            len(block_ids),
+            read_token,
+            prompt_digest,
+            list(group_sizes) if len(group_sizes) > 1 else [],
+        )
     )
 
 
