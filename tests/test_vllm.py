@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM plug-in tests need vllm (the `vllm` extra)")
@@ -28,11 +27,11 @@ from kvconnect.harness.tiny_llama import TinyLlama, build, prompt_of  # noqa: E4
 from kvconnect.harness.vllm_cluster import Server, VllmCluster, generate, kvconnect_config  # noqa: E402
 from tests.faultkit import metric_sum, open_request  # noqa: E402
 from tests.helpers import VLLM_DTYPE  # noqa: E402
+from tests.vllm_kit import MAX_TOKENS, decode_leg, prefill_leg, reference, tokenize  # noqa: E402
 
 TTL_S = 60.0  # long: a lease that ends sooner was released or read, not expired
 PULL_TIMEOUT_S = 8.0
 LENGTHS = [1, 2, 5, 17, 31, 32, 33, 64, 100, 150, 255, 256, 257, 400, 511, 700, 1000, 1300, 1700, 2000]
-MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
@@ -72,25 +71,6 @@ def c(cluster: VllmCluster) -> VllmCluster:
     return cluster
 
 
-def prefill_leg(cluster: VllmCluster, prompt: str | list[int]) -> dict[str, Any]:
-    """The proxy's first leg by hand: the kv_transfer_params the prefill leased."""
-    r = generate(cluster.urls["prefill"], prompt, 1, extra={"kv_transfer_params": {"do_remote_decode": True}})
-    assert r["status"] == 200 and r["kv_transfer_params"], r
-    return r["kv_transfer_params"]  # type: ignore[no-any-return]
-
-
-def decode_leg(
-    cluster: VllmCluster, name: str, prompt: str | list[int], params: dict[str, Any], **kw: Any
-) -> dict[str, Any]:
-    return generate(cluster.urls[name], prompt, MAX_TOKENS, extra={"kv_transfer_params": params}, **kw)
-
-
-def reference(cluster: VllmCluster, prompt: str | list[int], chat: bool = False) -> list[int]:
-    r = generate(cluster.urls["aggregated"], prompt, MAX_TOKENS, chat=chat)
-    assert r["status"] == 200, r
-    return r["token_ids"]  # type: ignore[no-any-return]
-
-
 def test_disaggregated_vllm_equals_aggregated_for_every_prompt(c: VllmCluster) -> None:
     """20 greedy prompts of 1 to ~2,000 tokens, completions and chat, streamed and not, through the proxy."""
     pulls = metric_sum(c.urls["decode"], "vllm:kvconnect_pull_time_seconds_count")
@@ -114,16 +94,6 @@ def test_disaggregated_vllm_equals_aggregated_for_every_prompt(c: VllmCluster) -
     assert digests == metric_sum(c.urls["decode"], "vllm:kvconnect_pull_time_seconds_count") > 0
     poll_until(lambda: quiet(c), timeout_s=30, what="every prefill lease ended by its read")
     assert metric_sum(c.urls["prefill"], "vllm:kvconnect_leases_ended_total", outcome="completed") >= len(cases)
-
-
-def tokenize(cluster: VllmCluster, text: str) -> list[int]:
-    r = httpx.post(
-        cluster.urls["aggregated"] + "/tokenize",
-        json={"model": "tiny", "prompt": text, "add_special_tokens": False},
-        timeout=30,
-    )
-    r.raise_for_status()
-    return r.json()["tokens"]  # type: ignore[no-any-return]
 
 
 def test_concurrent_requests_sharing_a_prefix_share_the_prefills_blocks(c: VllmCluster) -> None:
@@ -213,12 +183,7 @@ def test_a_prompt_sent_with_another_prompts_params_is_never_decoded_from_that_kv
     hashes (Q alone afterwards is Q's answer). (vLLM 0.32 then frees the failed request's remote blocks, as
     for any request it answers with an error: params are a bearer capability for ending a lease, not for
     reading it under another prompt.)"""
-    p_ids, q_ids = (
-        httpx.post(
-            c.urls["aggregated"] + "/tokenize", json={"model": "tiny", "prompt": prompt_of(300, s)}, timeout=30
-        ).json()["tokens"]
-        for s in (21, 22)
-    )
+    p_ids, q_ids = (tokenize(c, prompt_of(300, s)) for s in (21, 22))
     n = min(len(p_ids), len(q_ids))
     p_ids, q_ids = p_ids[:n], q_ids[:n]
     want_p, want_q = reference(c, p_ids), reference(c, q_ids)

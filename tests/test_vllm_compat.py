@@ -54,8 +54,12 @@ def test_the_api_reader_reproduces_the_installed_vllm() -> None:
 
 
 def test_features_are_detected_from_names_not_versions() -> None:
-    assert api_of(api_file("0.26.0")) == ConnectorApi(transfer_results=False, cross_layer_blocks=True, sleep_mode=False)
-    assert api_of(api_file("0.32.0")) == ConnectorApi(transfer_results=True, cross_layer_blocks=False, sleep_mode=False)
+    assert api_of(api_file("0.26.0")) == ConnectorApi(
+        transfer_results=False, cross_layer_blocks=True, sleep_mode=False, hma=True
+    )
+    assert api_of(api_file("0.32.0")) == ConnectorApi(
+        transfer_results=True, cross_layer_blocks=False, sleep_mode=False, hma=True
+    )
 
 
 @pytest.mark.parametrize("version", ["0.26.0", "0.32.0"])
@@ -77,6 +81,12 @@ def test_every_hook_the_plugin_defines_exists_there_with_the_same_parameters(ver
         flag = OPTIONAL_HOOKS.get(name)
         if flag is not None and not getattr(api, flag):
             continue  # (not defined in such a vLLM: compat.OPTIONAL_HOOKS)
+        if flag == "hma":  # SupportsHMA's, not the base class's: checked against the installed vLLM's class
+            from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+
+            theirs_hma = list(inspect.signature(getattr(SupportsHMA, name)).parameters)
+            assert list(inspect.signature(getattr(fn, "__func__", fn)).parameters) == theirs_hma, (name, theirs_hma)
+            continue
         assert name in snapshot["hooks"], f"vLLM {version} has no hook {name}"
         params = list(inspect.signature(getattr(fn, "__func__", fn)).parameters)
         theirs = snapshot["hooks"][name]

@@ -1,6 +1,8 @@
 """A tiny Llama checkpoint made on the spot (nothing downloaded): random weights from a seed and a
 byte-level BPE tokenizer trained on kvconnect's own sources, saved as a Hugging Face model directory
-any engine can load (`vllm serve DIR`, `transformers.AutoModelForCausalLM.from_pretrained(DIR)`).
+any engine can load (`vllm serve DIR`, `transformers.AutoModelForCausalLM.from_pretrained(DIR)`). With a
+`sliding_window`, a Gemma 3 text model instead, its layers alternating sliding-window and full attention
+(the hybrid KV cache of gpt-oss and Gemma 3: two KV cache groups in vLLM).
 
 Greedy decoding of such a model is noise, but deterministic: a disaggregated run that differs from an
 aggregated one token for token has moved the wrong KV. Needs `transformers` and `tokenizers` (the
@@ -18,6 +20,10 @@ GEOMETRIES = {
     # name: the test default (GQA, small) and a realistic KV geometry for benchmarks (8 KV heads x 128)
     "tiny": (256, 8, 4, 4, 512),  # hidden, heads, kv heads, layers, intermediate -> head_dim 32
     "kv8x128": (1024, 8, 8, 4, 1024),  # head_dim 128: one 32-token block is 128 KiB per layer in bf16
+    "tiny-swa": (256, 8, 4, 4, 512, 2048, 8192, 0, 64),  # Gemma 3 style: window of 64 tokens on layers 0 and 2
+    # gpt-oss-120b's attention (36 layers alternating a 128-token window and full attention, 8 KV heads x 64),
+    # dense and small otherwise: only the KV cache's shape matters to a transfer
+    "oss-attn": (512, 8, 8, 36, 512, 2048, 8192, 0, 128),
 }
 MARKER = "kvconnect-tiny-llama.json"
 
@@ -32,6 +38,7 @@ class TinyLlama:
     vocab: int = 2048
     max_positions: int = 8192
     seed: int = 0
+    sliding_window: int = 0  # > 0: a Gemma 3 text model, even layers sliding-window, odd ones full attention
 
     @classmethod
     def named(cls, name: str) -> TinyLlama:
@@ -81,6 +88,10 @@ def build(directory: str | Path, model: TinyLlama) -> Path:
         "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
     torch.manual_seed(model.seed)
+    if model.sliding_window:
+        _save_gemma3(out, model, hf_tok)
+        marker.write_text(json.dumps(asdict(model)))
+        return out
     cfg = LlamaConfig(
         vocab_size=len(hf_tok),
         hidden_size=model.hidden,
@@ -108,3 +119,27 @@ def prompt_of(tokens: int, seed: int) -> str:
     text = "\n".join(_corpus())
     start = (seed * 7919) % max(len(text) - 8 * tokens - 1, 1)
     return text[start : start + max(int(tokens * 2.6), 1)]  # (~2.6 characters per token for this tokenizer)
+
+
+def _save_gemma3(out: Path, model: TinyLlama, hf_tok: Any) -> None:
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(
+        vocab_size=len(hf_tok),
+        hidden_size=model.hidden,
+        intermediate_size=model.intermediate,
+        num_hidden_layers=model.layers,
+        num_attention_heads=model.heads,
+        num_key_value_heads=model.kv_heads,
+        head_dim=model.head_dim,
+        sliding_window=model.sliding_window,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(model.layers)],
+        max_position_embeddings=model.max_positions,
+        bos_token_id=hf_tok.bos_token_id,
+        eos_token_id=hf_tok.eos_token_id,
+        pad_token_id=hf_tok.pad_token_id,
+    )
+    net: Any = Gemma3ForCausalLM(cfg)
+    net.to(torch.bfloat16).save_pretrained(out)
+    hf_tok.save_pretrained(out)

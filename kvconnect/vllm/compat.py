@@ -9,7 +9,9 @@ plug-in feature-detects them here instead of checking versions anywhere else:
 - cross-layer blocks: 0.26 asks `prefer_cross_layer_blocks` and may then call
   `register_cross_layers_kv_cache` with one tensor for every layer; later versions dropped both;
 - sleep mode: 0.33 adds `supports_sleep_mode` / `unregister_kv_caches` / `restore_kv_caches` (the
-  plug-in does not claim it: its NIXL registration would outlive the memory).
+  plug-in does not claim it: its NIXL registration would outlive the memory);
+- the hybrid KV cache manager: where `SupportsHMA` exists the plug-in claims it (one block list per KV cache
+  group, `request_finished_all_groups`), so vLLM keeps the manager on for hybrid models.
 
 A vLLM outside the range is refused at start-up with one line naming its version and the range.
 """
@@ -50,6 +52,7 @@ class ConnectorApi:
     transfer_results: bool  # get_transfer_results / KVConnectorTransferResults
     cross_layer_blocks: bool  # prefer_cross_layer_blocks / register_cross_layers_kv_cache
     sleep_mode: bool  # supports_sleep_mode / unregister_kv_caches / restore_kv_caches
+    hma: bool = False  # SupportsHMA: the hybrid KV cache manager's request_finished_all_groups
 
     @classmethod
     def of(cls, module_names: set[str], base_names: set[str]) -> ConnectorApi:
@@ -58,6 +61,7 @@ class ConnectorApi:
             transfer_results="KVConnectorTransferResults" in module_names and "get_transfer_results" in base_names,
             cross_layer_blocks={"prefer_cross_layer_blocks", "register_cross_layers_kv_cache"} <= base_names,
             sleep_mode={"supports_sleep_mode", "unregister_kv_caches", "restore_kv_caches"} <= base_names,
+            hma="SupportsHMA" in module_names,
         )
 
 
@@ -71,6 +75,7 @@ OPTIONAL_HOOKS = {
     "get_transfer_results": "transfer_results",
     "prefer_cross_layer_blocks": "cross_layer_blocks",
     "register_cross_layers_kv_cache": "cross_layer_blocks",
+    "request_finished_all_groups": "hma",  # (a method of SupportsHMA, not of KVConnectorBase_V1)
 }
 
 

@@ -10,7 +10,9 @@ each delegates to its half (`scheduler.py`, `worker.py`). Hooks left at the base
   `bind_connector_metadata`, before the step's forward, rather than after it.
 - `save_kv_layer`, `wait_for_save`: nothing is pushed. The prefill's KV stays in vLLM's paged cache,
   leased, and the decode reads it with one NIXL READ.
-- HMA (`SupportsHMA`): not claimed, so vLLM turns its hybrid KV cache manager off (one KV cache group).
+- HMA (`SupportsHMA`): claimed where vLLM defines it (`compat.py`), so a hybrid model (sliding-window +
+  full attention) keeps its KV cache groups: `request_finished_all_groups` leases each group's blocks
+  (`groups.py`: a sliding window's tail only). A group of a kind the plug-in cannot move stops start-up.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvconnect.core.config import env_choice
 from kvconnect.vllm.compat import check_version, detect
+from kvconnect.vllm.groups import group_moves
 from kvconnect.vllm.layout import cross_layer_views
 from kvconnect.vllm.metadata import StepOrders
 from kvconnect.vllm.scheduler import SchedulerSide
@@ -49,6 +52,7 @@ if TYPE_CHECKING:  # vLLM's own types, for readers and mypy (never imported at r
 log = logging.getLogger(__name__)
 
 API = detect(vllm_base)  # what this vLLM's connector interface offers (compat.py)
+_HMA: tuple[type, ...] = (vllm_base.SupportsHMA,) if API.hma else ()  # (claimed where vLLM defines it)
 
 
 def _page_format(vllm_config: VllmConfig, dtype: torch.dtype, head_size: int) -> str:
@@ -82,7 +86,7 @@ def _log_to_stderr() -> None:
     root.propagate = False
 
 
-class KVConnectConnector(KVConnectorBase_V1):
+class KVConnectConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]  # (bases chosen at import)
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
@@ -90,16 +94,22 @@ class KVConnectConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]  # (None: an older caller)
         _log_to_stderr()
         self._settings = read_settings(vllm_config)
+        moves = group_moves(kv_cache_config)  # (ConfigError: a KV cache group the plug-in cannot move)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role is KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self._settings)
+            self._scheduler = SchedulerSide(self._settings, moves)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank()
             model = vllm_config.model_config
-            self._worker = WorkerSide(rank_config(self._settings, rank), rank, model.get_total_num_kv_heads())
+            self._worker = WorkerSide(
+                rank_config(self._settings, rank),
+                rank,
+                model.get_total_num_kv_heads(),
+                failed_requests=API.transfer_results,
+            )
             self._model = model
 
     # --- worker side -------------------------------------------------------------------------------
@@ -185,7 +195,14 @@ class KVConnectConnector(KVConnectorBase_V1):
         )
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler_side().request_finished(request, block_ids)
+        return self._scheduler_side().request_finished(request, (block_ids,))
+
+    if API.hma:  # one block list per KV cache group (groups.py)
+
+        def request_finished_all_groups(
+            self, request: Request, block_ids: tuple[list[int], ...]
+        ) -> tuple[bool, dict[str, Any] | None]:
+            return self._scheduler_side().request_finished(request, block_ids)
 
     def set_xfer_handshake_metadata(self, metadata: dict[Any, KVConnectorHandshakeMetadata]) -> None:
         self._scheduler_side().set_xfer_handshake_metadata(metadata)

@@ -65,8 +65,7 @@ def describe(
     """A kvconnect cache over vLLM's tensors (no copy): the spec and byte views of its regions."""
     if not kv_caches:
         raise LayoutError("vLLM registered no KV cache tensors")
-    names = tuple(sorted(kv_caches, key=layer_order))
-    views = [kv_caches[n] for n in names]
+    names, views = _distinct(tuple(sorted(kv_caches, key=layer_order)), kv_caches)
     first = views[0]
     for name, t in zip(names, views, strict=True):
         if t.dim() not in (4, 5):
@@ -150,6 +149,25 @@ def describe(
     else:
         regions = [_bytes(t, shape, s_block) for t in views]
     return Described(KVCache.from_tensors(spec, regions), names, order + ("HNC" if heads_outer else "NHC"))
+
+
+def _distinct(
+    names: tuple[str, ...], kv_caches: Mapping[str, torch.Tensor]
+) -> tuple[tuple[str, ...], list[torch.Tensor]]:
+    """The layers whose tensors are not another layer's, in layer order. A hybrid model's KV cache groups
+    overlay one allocation (vLLM gives a layer of each group the same tensor; a block id belongs to one
+    group at a time), so those layers are one region: the first of them names it."""
+    kept: dict[int, tuple[str, torch.Tensor]] = {}
+    for name in names:
+        t = kv_caches[name]
+        first = kept.setdefault(t.data_ptr(), (name, t))
+        if first[1] is not t and (t.shape, t.stride(), t.dtype) != (first[1].shape, first[1].stride(), first[1].dtype):
+            raise LayoutError(
+                f"vLLM KV cache {name} overlays {first[0]} with another shape, strides or dtype "
+                f"({tuple(t.shape)} {t.stride()} {t.dtype} against {tuple(first[1].shape)} {first[1].stride()} "
+                f"{first[1].dtype}); kvconnect needs overlaid KV cache groups to share one page format"
+            )
+    return tuple(n for n, _ in kept.values()), [t for _, t in kept.values()]
 
 
 def _bytes(view: torch.Tensor, shape: tuple[int, ...], block_stride: int) -> torch.Tensor:

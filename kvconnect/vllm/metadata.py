@@ -25,6 +25,7 @@ class LeaseOrder:
     num_tokens: int  # tokens of KV the blocks hold
     lease_id: str  # drawn by the scheduler, so that every TP rank grants the same lease
     prompt_digest: bytes = b""  # binds the lease to the prompt (params.prompt_digest)
+    group_sizes: tuple[int, ...] = ()  # blocks per KV cache group, `block_ids` being the groups in turn
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class PullOrder:
 
     request_id: str
     params: KVTransferParams | None  # the request's kv_transfer_params; None: invalid (`refused` says why)
-    local_block_ids: list[int]  # the blocks the local prefix cache did not already fill
+    local_block_ids: list[list[int]]  # per KV cache group, the blocks the local prefix cache did not fill
     num_prompt_tokens: int
     num_local_hit_tokens: int  # prompt tokens the local prefix cache holds (block aligned)
     refused: tuple[str, str] | None = None  # (field, reason): the worker fails the load naming them

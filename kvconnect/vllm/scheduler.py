@@ -17,14 +17,17 @@ the worker fails the load naming the field, and vLLM's own failure policy applie
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 from vllm.v1.request import RequestStatus
 
 from kvconnect.core.errors import InvalidRequestError
+from kvconnect.core.plan.groups import GroupedBlocks
 from kvconnect.core.plan.params import KVTransferParams, lease_params, parse_kv_transfer_params, prompt_digest
 from kvconnect.core.prefill.record import new_lease_id
+from kvconnect.vllm.groups import NULL_BLOCK_ID, GroupMove
 from kvconnect.vllm.metadata import LeaseOrder, PullOrder, StepOrders, WorkerHello
 from kvconnect.vllm.settings import VllmSettings
 
@@ -35,6 +38,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _LEASED_ENDS = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+def _unhashed(blocks: KVCacheBlocks) -> list[list[int]]:
+    """Per KV cache group, the blocks allocated for the request that the local prefix cache did not fill
+    (null placeholders of a sliding window dropped)."""
+    if hasattr(blocks, "get_unhashed_block_ids_all_groups"):
+        groups = blocks.get_unhashed_block_ids_all_groups()
+    else:  # (vLLM 0.26: the same, read from its per-group block lists)
+        groups = [[b.block_id for b in group if b.block_hash is None] for group in blocks.blocks]
+    return [[int(b) for b in g if int(b) != NULL_BLOCK_ID] for g in groups]
 
 
 def _prompt_digest(request: Request) -> bytes:
@@ -54,8 +67,11 @@ def _parsed(raw: dict[str, Any]) -> tuple[KVTransferParams | None, tuple[str, st
 
 
 class SchedulerSide:
-    def __init__(self, settings: VllmSettings) -> None:
+    def __init__(
+        self, settings: VllmSettings, moves: tuple[GroupMove, ...] = (GroupMove("FullAttentionSpec"),)
+    ) -> None:
         self._settings = settings
+        self._moves = moves  # per KV cache group, which of its blocks move (groups.py)
         self._orders = StepOrders()
         self._hello: dict[int, WorkerHello] = {}  # by TP rank
         self._refusals = 0  # requests that asked for what this engine's kv_role does not do
@@ -101,7 +117,9 @@ class SchedulerSide:
         parsed, refused = _parsed(params)
         params["do_remote_prefill"] = False  # one load per request (this is called again once it is scheduled)
         if num_external_tokens > 0:
-            local = [int(b) for b in blocks.get_unhashed_block_ids()]
+            local = _unhashed(blocks)
+            if len(local) != len(self._moves) and refused is None:  # (the worker fails the load naming it)
+                refused = ("kv_transfer_params", f"{len(local)} KV cache groups allocated, {len(self._moves)} known")
             self._orders.pulls.append(
                 PullOrder(
                     request.request_id,
@@ -123,7 +141,10 @@ class SchedulerSide:
         orders.idle = num_scheduled_tokens == 0 and not (orders.leases or orders.pulls or orders.releases)
         return orders
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """`block_ids`: per KV cache group (one list for a model of one group)."""
         params = request.kv_transfer_params
         if not params:
             return False, None
@@ -133,16 +154,27 @@ class SchedulerSide:
                 self._orders.releases.append(parsed)
             params["do_remote_prefill"] = False
             return False, None
-        if not params.get("do_remote_decode") or request.status not in _LEASED_ENDS or not block_ids:
+        if not params.get("do_remote_decode") or request.status not in _LEASED_ENDS:
             return False, None
-        if not self._may("do_remote_decode", request):
+        if len(block_ids) != len(self._moves):  # (never seen: vLLM names the groups it was configured with)
+            log.error(
+                "kvconnect: request %r: %d KV cache groups, %d known",
+                request.request_id,
+                len(block_ids),
+                len(self._moves),
+            )
+            return False, None
+        groups = GroupedBlocks.of([move.trim(g) for move, g in zip(self._moves, block_ids, strict=True)])
+        if not groups.ids.size or not self._may("do_remote_decode", request):
             return False, None
         hello = self._hello.get(0)
         config = self._settings.config
-        ids = [int(b) for b in block_ids]
+        ids = groups.ids.tolist()
         num_tokens = int(request.num_computed_tokens)
         lease_id = new_lease_id()
-        self._orders.leases.append(LeaseOrder(request.request_id, ids, num_tokens, lease_id, _prompt_digest(request)))
+        self._orders.leases.append(
+            LeaseOrder(request.request_id, ids, num_tokens, lease_id, _prompt_digest(request), groups.sizes)
+        )
         port = hello.side_channel_port if hello is not None else config.side_channel_port
         return True, msgspec.to_builtins(
             lease_params(
@@ -155,5 +187,6 @@ class SchedulerSide:
                 lease_id=lease_id,
                 block_ids=ids,
                 num_tokens=num_tokens,
+                group_sizes=groups.wire_sizes(),
             )
         )

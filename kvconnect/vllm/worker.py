@@ -33,6 +33,7 @@ from kvconnect.core.connector import KVConnector
 from kvconnect.core.decode.pull import PullHandle, PullStats
 from kvconnect.core.errors import InvalidRequestError, KVConnectError
 from kvconnect.core.faults import FaultHooks
+from kvconnect.core.plan.groups import GroupedBlocks, tail_pairs
 from kvconnect.core.plan.params import KVTransferParams
 from kvconnect.core.wire.lease_client import release_after_failure
 from kvconnect.core.wire.protocol import LeaseState
@@ -56,9 +57,18 @@ class _Load:
 
 class WorkerSide:
     def __init__(
-        self, config: ConnectorConfig, tp_rank: int, total_kv_heads: int, faults: FaultHooks | None = None
+        self,
+        config: ConnectorConfig,
+        tp_rank: int,
+        total_kv_heads: int,
+        faults: FaultHooks | None = None,
+        failed_requests: bool = False,
     ) -> None:
+        """`failed_requests`: the running vLLM takes failed loads as failed requests (`get_transfer_results`);
+        then a hybrid model's failed load is reported so, never as block ids (vLLM refuses those for models of
+        several KV cache groups)."""
         self._config = config
+        self._failed_requests = failed_requests
         self._faults = faults  # (tests only: the vLLM connector never passes any)
         self._tp_rank = tp_rank
         self._total_kv_heads = total_kv_heads
@@ -134,6 +144,7 @@ class WorkerSide:
                     lease.num_tokens,
                     lease_id=lease.lease_id,
                     prompt_digest=lease.prompt_digest,
+                    group_sizes=lease.group_sizes,
                 )
             except KVConnectError as e:  # nobody can read it: give the blocks back at once
                 log.error("kvconnect: request %s: cannot lease its blocks: %s", lease.request_id, e)
@@ -152,7 +163,7 @@ class WorkerSide:
         load = _Load(order, None, None)
         self._loads[order.request_id] = load
         try:
-            if order.params is None:
+            if order.params is None or order.refused is not None:
                 field, reason = order.refused or ("kv_transfer_params", "missing")
                 raise InvalidRequestError(field, reason)
             load.params = params = order.params
@@ -164,17 +175,17 @@ class WorkerSide:
                     f"the remote blocks hold {params.remote_num_tokens} tokens, the prompt "
                     f"has {order.num_prompt_tokens}",
                 )
-            local, remote = order.local_block_ids, params.remote_block_ids
-            if len(local) > len(remote):
-                raise InvalidRequestError(
-                    "kv_transfer_params.remote_block_ids",
-                    f"{len(remote)} remote blocks for {len(local)} blocks to load",
-                )
-            # the local prefix cache filled the first blocks: read the tail of the prefill's list
+            field = "kv_transfer_params.remote_block_ids"
+            remote = GroupedBlocks.flat(params.remote_block_ids, params.remote_group_sizes, field)
+            # the local prefix cache filled each group's first blocks: read the tail of the prefill's
+            local, tail = tail_pairs(GroupedBlocks.of(order.local_block_ids), remote, field)
             wanted = msgspec.structs.replace(
-                params, remote_block_ids=remote[len(remote) - len(local) :], remote_num_tokens=None
+                params,
+                remote_block_ids=tail.ids.tolist(),
+                remote_group_sizes=tail.wire_sizes(),
+                remote_num_tokens=None,
             )
-            load.handle = self._require().pull(wanted, local, order.request_id, order.prompt_digest)
+            load.handle = self._require().pull(wanted, local.ids.tolist(), order.request_id, order.prompt_digest)
         except KVConnectError as e:
             self._failed(load, e)
 
@@ -223,7 +234,8 @@ class WorkerSide:
             recving.add(rid)
             if load.error is not None:
                 failed.add(rid)
-                self._load_errors.update(load.order.local_block_ids)
+                if len(load.order.local_block_ids) == 1 or not self._failed_requests:
+                    self._load_errors.update(b for group in load.order.local_block_ids for b in group)
         with self._lock:
             sending = self._ended & self._seen_finished
             self._ended -= sending
