@@ -1,10 +1,16 @@
 """GPU vLLM P/D on one GPU: kvconnect's plug-in against vLLM's NixlConnector on the same prompts.
 
-    python benchmarks/vllm_pd_gpu.py OUT_DIR [--prompts 16]
+    python benchmarks/vllm_pd_gpu.py OUT_DIR [--prompts 16] [--model tiny|tiny-swa|oss-attn] [--block-size 32]
+                                     [--lengths 8,40,...]
 
 Starts, on the one GPU, an aggregated vLLM server, a prefill + decode pair with kvconnect's plug-in and a
 prefill + decode pair with vLLM's NixlConnector, each pair behind kvconnect's proxy (the same wire drives
-both). A generated tiny Llama (random weights, byte-level BPE tokenizer), bf16, the FLASH_ATTN backend.
+both), in vLLM's default mode unless --enforce-eager. A generated model (random weights, byte-level BPE
+tokenizer), bf16, the FLASH_ATTN backend: a tiny Llama, or a hybrid one (`tiny-swa`: a Gemma 3 of 4 layers
+alternating a 64-token window and full attention; `oss-attn`: gpt-oss-120b's attention shape, 36 layers
+alternating a 128-token window and full attention, 8 KV heads x 64). kvconnect's KV digest is on. Per
+request it prints each decode's pulled bytes, descriptors and transfer time (and kvconnect's requested ->
+usable time), from their /metrics before and after it.
 Greedy prompts of 1 to ~1,500 tokens, completions and chat, streamed and not, go through both proxies;
 per prompt it prints whether kvconnect's tokens equal NixlConnector's and the aggregated server's. Then
 it prints what kvconnect's workers logged at registration (the tensor shape and strides vLLM handed
@@ -40,6 +46,18 @@ def metrics_text(url: str) -> dict[str, float]:
     return out
 
 
+KVC_ENV = {"KVCONNECT_KV_DIGEST": "1"}  # every kvconnect pull checks its bytes against the prefill's
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """A decode's metric sums moved by one request, by short name ("bytes_transferred_sum", ...)."""
+    out = {}
+    for name, value in after.items():
+        short = name.split(":", 1)[1].removeprefix("kvconnect_").removeprefix("nixl_")
+        out[short] = value - before.get(name, 0.0)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
@@ -49,15 +67,20 @@ def main() -> None:
         help="vLLM's eager mode (default: vLLM's default mode, compiled with CUDA graphs, which users run)",
     )
     ap.add_argument("--prompts", type=int, default=len(LENGTHS))
+    ap.add_argument("--model", default="tiny", help="tiny, tiny-swa or oss-attn (kvconnect.harness.tiny_llama)")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--lengths", default="", help="prompt lengths in tokens, comma-separated (default: 1-1500)")
     args = ap.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else LENGTHS
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    ckpt = build(args.out / "tiny-llama", TinyLlama.named("tiny"))
-    nixl_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+    ckpt = build(args.out / args.model, TinyLlama.named(args.model))
+    # NixlConnector on its best path on one GPU: UCX 1.23 turns cuda_ipc reads off without NVLink
+    nixl_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on", "UCX_TLS": "all"}
     servers = [
         Server("aggregated", None, args=GPU_ARGS),
-        Server("kvc-prefill", kvconnect_config("kv_producer"), args=GPU_ARGS),
-        Server("kvc-decode", kvconnect_config("kv_consumer"), args=GPU_ARGS),
+        Server("kvc-prefill", kvconnect_config("kv_producer"), args=GPU_ARGS, env=KVC_ENV),
+        Server("kvc-decode", kvconnect_config("kv_consumer"), args=GPU_ARGS, env=KVC_ENV),
         Server(
             "nixl-prefill",
             connector_json("NixlConnector", "kv_producer"),
@@ -71,7 +94,14 @@ def main() -> None:
             env={**nixl_env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
         ),
     ]
-    cluster = VllmCluster(str(ckpt), servers, str(args.out / "logs"), eager=args.enforce_eager, max_model_len=2048)
+    cluster = VllmCluster(
+        str(ckpt),
+        servers,
+        str(args.out / "logs"),
+        eager=args.enforce_eager,
+        block_size=args.block_size,
+        max_model_len=8192 if max(lengths) > 1500 else 2048,
+    )
     with cluster as c:
         print(f"5 servers healthy after {time.monotonic() - t0:.0f} s", flush=True)
         proxies = {}
@@ -82,12 +112,14 @@ def main() -> None:
         for pair in ("kvc", "nixl"):  # first contact (handshakes) outside the table
             generate(proxies[pair], prompt_of(40, seed=999), 2)
         rows = []
-        for i, n in enumerate(LENGTHS[: args.prompts]):
+        for i, n in enumerate(lengths[: args.prompts]):
             chat, stream = i % 4 == 3, i % 3 == 1
             prompt = prompt_of(n, seed=n + 1)
             agg = generate(c.urls["aggregated"], prompt, MAX_TOKENS, chat=chat)
+            before = {pair: metrics_text(c.urls[f"{pair}-decode"]) for pair in ("kvc", "nixl")}
             kvc = generate(proxies["kvc"], prompt, MAX_TOKENS, chat=chat, stream=stream)
             nixl = generate(proxies["nixl"], prompt, MAX_TOKENS, chat=chat, stream=stream)
+            moved = {pair: delta(before[pair], metrics_text(c.urls[f"{pair}-decode"])) for pair in ("kvc", "nixl")}
             row = {
                 "tokens~": n,
                 "chat": chat,
@@ -100,6 +132,14 @@ def main() -> None:
                 "nixl": nixl["token_ids"],
                 "agg": agg["token_ids"],
                 "errors": [kvc["error"], nixl["error"]],
+                "kvc_bytes": moved["kvc"].get("bytes_transferred_sum", 0),
+                "kvc_descs": moved["kvc"].get("num_descriptors_sum", 0),
+                "kvc_xfer_ms": 1e3 * moved["kvc"].get("xfer_time_seconds_sum", 0),
+                "kvc_usable_ms": 1e3 * moved["kvc"].get("pull_time_seconds_sum", 0),
+                "kvc_digests": moved["kvc"].get("digest_time_seconds_count", 0),
+                "nixl_bytes": moved["nixl"].get("bytes_transferred_sum", 0),
+                "nixl_descs": moved["nixl"].get("num_descriptors_sum", 0),
+                "nixl_xfer_ms": 1e3 * moved["nixl"].get("xfer_time_seconds_sum", 0),
             }
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k not in ("kvc", "nixl", "agg")}), flush=True)

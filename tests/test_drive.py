@@ -85,7 +85,7 @@ def test_the_vllm_worker_side_drives_its_pulls_from_the_engine_thread() -> None:
         try:
             with conn.faults.hold_loop():
                 worker.bind_connector_metadata(
-                    StepOrders(pulls=[PullOrder("worker-driven", params, [4, 1], 64, 0)], idle=True)
+                    StepOrders(pulls=[PullOrder("worker-driven", params, [[4, 1]], 64, 0)], idle=True)
                 )
                 done = poll_until(lambda: worker.transfer_results(set())[1], what="the load was reported")
             assert done == {"worker-driven"} and not worker.get_block_ids_with_load_errors()

@@ -46,7 +46,7 @@ def _unhashed(blocks: KVCacheBlocks) -> list[list[int]]:
     if hasattr(blocks, "get_unhashed_block_ids_all_groups"):
         groups = blocks.get_unhashed_block_ids_all_groups()
     else:  # (vLLM 0.26: the same, read from its per-group block lists)
-        groups = [[b.block_id for b in group if b.block_hash is None] for group in blocks.blocks]
+        groups = [[b.block_id for b in group if getattr(b, "block_hash", None) is None] for group in blocks.blocks]
     return [[int(b) for b in g if int(b) != NULL_BLOCK_ID] for g in groups]
 
 
