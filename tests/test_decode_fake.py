@@ -207,3 +207,59 @@ def test_a_hybrid_models_groups_pull_the_tail_of_each_group_byte_exact(prefill, 
         with pytest.raises(LeaseLostError, match="2 KV cache groups, 1 named"):
             dec.pull(flat, [10, 11, 12, 13]).wait(10)
     poll_until(lambda: prefill.lease_state(params.remote_lease_id).value == "completed", what="lease completed")
+
+
+def test_forged_params_naming_another_incarnation_fail_alone_and_the_peers_pulls_go_on(prefill, wire) -> None:
+    """Security review: params copying a real prefill's engine id with another incarnation id dropped the
+    ready peer and failed every pull it served (206 ok / 291 failed under one forgery every 10 ms). Now the
+    claim is checked by a handshake of its own: the prefill answers as itself, so only the forged pull fails."""
+    wire.hold = True
+    real = prefill.lease(rid(), [28, 29], 32)
+    with decoder(wire) as dec:
+        in_flight = dec.pull(real, [0, 1])
+        poll_until(lambda: wire.posted, what="the real transfer posted")
+        forged = msgspec.structs.replace(prefill.lease(rid(), [30], 16), remote_incarnation_id="f" * 32)
+        with pytest.raises(LeaseLostError, match="answers as incarnation .* the known peer is kept"):
+            dec.pull(forged, [2]).wait(10)
+        assert not in_flight.done() and dec.snapshot().claims_refused == 1
+        wire.land()
+        in_flight.wait(10)
+        assert dec.cache.block_bytes(0) == prefill.cache.block_bytes(28)
+        assert dec.snapshot().handshakes == 1  # the known peer was never replaced
+
+
+def test_first_contacts_and_known_peers_are_bounded_and_idle_peers_make_room(monkeypatch, wire) -> None:
+    """Security review: 1,100 made-up engine ids made 1,022 peers (ZMQ's socket limit) and a legitimate first
+    contact failed with "Too many open files". First contacts in flight and known peers are capped; at the cap
+    an idle peer is forgotten, and a first contact beyond it is refused by name."""
+    import socket
+
+    from kvconnect.core.decode import peers as peers_module
+    from kvconnect.core.errors import CapacityError
+    from tests.helpers import params_to
+
+    monkeypatch.setattr(peers_module, "MAX_HANDSHAKING", 2)
+    monkeypatch.setattr(peers_module, "MAX_PEERS", 2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody = s.getsockname()[1]  # nobody answers there: handshakes stay in flight
+    caches = [KVCache.allocate(spec(LayoutKind.CROSS_LAYER)) for _ in range(3)]
+    prefills = [KVConnector(c, config_for_tests(), fast_paths=(FakeTransport,)) for c in caches]
+    try:
+        for p_, c in zip(prefills, caches, strict=True):
+            wire.serve(p_._peer_info.agent_name, c)
+        with decoder(wire, handshake_timeout_s=30) as dec:
+            ghosts = [dec.pull(params_to(nobody, f"ghost-{i}"), [i]) for i in range(2)]
+            with pytest.raises(CapacityError, match="2 prefill handshakes in flight already"):
+                dec.pull(params_to(nobody, "ghost-2"), [2]).wait(10)
+            for g in ghosts:
+                g.cancel()
+            poll_until(lambda: all(g.done() for g in ghosts), what="the ghosts' pulls cancelled")
+            poll_until(lambda: not dec._decode.peers.all(), what="the ghost peers dropped (nobody waits for them)")
+            for i, p_ in enumerate(prefills):  # three engines, two at a time: the idle one is forgotten
+                dec.pull(p_.lease(rid(), [i + 3], 16), [i + 4]).wait(10)
+                assert dec.cache.block_bytes(i + 4) == caches[i].block_bytes(i + 3)
+            assert len(dec._decode.peers.all()) == 2
+    finally:
+        for p_ in prefills:
+            p_.close()

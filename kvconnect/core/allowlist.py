@@ -13,7 +13,7 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
-from kvconnect.core.errors import ConfigError
+from kvconnect.core.errors import ConfigError, InvalidRequestError
 
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*\.?$")
@@ -39,6 +39,11 @@ class AllowList:
         except ValueError:
             return bare.lower().rstrip(".") in self.names
         return any(addr in net for net in self.networks)
+
+    def check(self, host: str, field: str) -> None:
+        """InvalidRequestError naming `field` unless `host` is allowed (before any connection is made)."""
+        if not self.allows(host):
+            raise InvalidRequestError(field, f"{host!r} is not an allowed prefill peer (peer_allowlist)")
 
 
 @functools.lru_cache(maxsize=32)

@@ -242,6 +242,7 @@ class KVConnector:
             leases_ended={state.value: count for state, count in leases.counts.items()},
             ipc_gather_unavailable=int(TransportKind.IPC.value in self._paths.problems),
             unknown_lease_requests=c.unknown_lease_requests,
+            claims_refused=self._decode.claims.refused,
         )
 
     # --- loop --------------------------------------------------------------------------------------

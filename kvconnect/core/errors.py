@@ -53,6 +53,11 @@ class InvalidRequestError(LocalError):
         super().__init__(f"{field}: {reason}")
 
 
+class CapacityError(LocalError):
+    """A bound on what peers and clients may make this process hold was reached (peers, handshakes, claims);
+    the request is refused by name rather than the process running out of sockets or memory."""
+
+
 class LeaseError(LocalError):
     """A lease operation was invalid (unknown lease, double lease of a block)."""
 

@@ -46,3 +46,4 @@ class ConnectorSnapshot(msgspec.Struct, frozen=True):
     leases_ended: dict[str, int]  # by lease state (held counts the ones still held)
     ipc_gather_unavailable: int = 0  # 1: the IPC gather could not be compiled here; same-host peers use NIXL
     unknown_lease_requests: int = 0  # lease requests naming a lease never granted here (or forgotten)
+    claims_refused: int = 0  # params claiming a known prefill restarted or moved, refuted by its own handshake

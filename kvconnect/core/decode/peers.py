@@ -10,6 +10,7 @@ staging caches are shared by every peer that needs the same one. Loop thread onl
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,7 @@ from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig
 from kvconnect.core.decode.pull import PullPhase
 from kvconnect.core.decode.staging import StagingPool, reserve
-from kvconnect.core.errors import InvalidRequestError, LayoutMismatchError
+from kvconnect.core.errors import CapacityError, InvalidRequestError, LayoutMismatchError
 from kvconnect.core.plan.descriptors import strided_descriptor_array, token_span
 from kvconnect.core.plan.hetero import Path, Source, SourcePlan, Sources, plan_source, plan_sources
 from kvconnect.core.plan.layout import CacheSpec
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     from kvconnect.core.decode.pull import Pull
 
 log = logging.getLogger(__name__)
+MAX_PEERS = 256  # prefill ranks known at once; beyond, an idle one is forgotten (or a first contact refused)
+MAX_HANDSHAKING = 32  # first contacts in flight at once (each one a socket to wherever its params point)
 MAX_STAGING_POOLS = 4  # staging caches (one per remote shape, up to staging_mb each) a decode allocates at most
 
 
@@ -113,10 +116,32 @@ class PeerSet:
     def all(self) -> list[Peer]:
         return list(self._peers.values())
 
-    def new(self, engine_id: str, host: str, port: int, source: Source, remote_tp: int) -> Peer:
-        peer = Peer(engine_id, host, port, PeerChannel(self._ctx, host, port, self._secret), source, remote_tp)
+    def new(
+        self, engine_id: str, host: str, port: int, source: Source, remote_tp: int, busy: Callable[[Peer], bool]
+    ) -> Peer:
+        """A peer to handshake with (first contact). Bounded: at MAX_PEERS the least recently added idle one
+        (`busy` says which are not) is forgotten; CapacityError when none is idle or MAX_HANDSHAKING first
+        contacts are already in flight (params name any engine and host they like)."""
+        handshaking = sum(1 for x in self._peers.values() if not x.ready)
+        if handshaking >= MAX_HANDSHAKING:
+            raise CapacityError(f"{handshaking} prefill handshakes in flight already (at most {MAX_HANDSHAKING})")
+        if len(self._peers) >= MAX_PEERS:
+            idle = next((x for x in self._peers.values() if x.ready and not busy(x)), None)
+            if idle is None:
+                raise CapacityError(f"{len(self._peers)} prefill peers known and none idle (at most {MAX_PEERS})")
+            log.info("forgetting idle peer %s: %d peers known", idle.key, len(self._peers))
+            self.forget(idle, keep_agent=False)
+        peer = self.open(engine_id, host, port, source, remote_tp)
         self._peers[peer.key] = peer
         return peer
+
+    def open(self, engine_id: str, host: str, port: int, source: Source, remote_tp: int) -> Peer:
+        """A peer object with its own channel, not (yet) one of the known peers."""
+        return Peer(engine_id, host, port, PeerChannel(self._ctx, host, port, self._secret), source, remote_tp)
+
+    def adopt(self, peer: Peer) -> None:
+        """Make `peer` (a proven claim: decode/claims.py) the known peer of its key."""
+        self._peers[peer.key] = peer
 
     def known_tp(self, engine_id: str) -> int:
         """How many ranks `engine_id` runs, as its handshake said (0 if no rank of it has answered)."""
@@ -136,19 +161,19 @@ class PeerSet:
             peer.transport = None
         peer.channel.close()
 
-    def stale(self, peer: Peer, pull: Pull) -> tuple[str, bool] | None:
-        """Why `peer` cannot serve `pull` and must be dropped (and whether it moved: its waiting pulls then
-        fail too), or None."""
+    def stale(self, peer: Peer, pull: Pull) -> str:
+        """How `pull`'s params disagree with what `peer` is ("" when they do not): another side-channel
+        address, other heads, another incarnation. A claim to check, not a fact (decode/claims.py)."""
         if (peer.host, peer.port, peer.remote_tp) != (pull.remote_host, pull.remote_port, pull.remote_tp):
-            return "side channel address changed", True
+            return "another side channel address or TP size"
         if peer.source != pull.source:
             if peer.plan is not None:
-                return "pull reads other heads from this rank", False
+                return "other heads of this rank"
             assert pull.source is not None
             peer.source = pull.source
         if peer.info is not None and pull.expected_incarnation not in (None, peer.info.incarnation_id):
-            return f"pull names incarnation {pull.expected_incarnation[:12]}", False
-        return None
+            return f"incarnation {pull.expected_incarnation[:12]}"
+        return ""
 
     def sources(self, remote_tp: int) -> Sources:
         """The prefill ranks this decode rank reads when the prefill runs `remote_tp` ranks (any thread)."""

@@ -26,6 +26,7 @@ from kvconnect.core.plan.hetero import Source
 from kvconnect.core.plan.layout import CacheSpec
 from kvconnect.core.plan.params import KVTransferParams, validated_pull
 from kvconnect.core.transports.base import Posted
+from kvconnect.core.wire.logs import loggable
 from kvconnect.core.wire.protocol import encode_notif
 
 log = logging.getLogger(__name__)
@@ -184,6 +185,13 @@ class Pull:
             self.prompt_digest,
             self.group_sizes,
         )
+
+    def failure_line(self, error: KVConnectError) -> str:
+        """This pull's failure as a log line (ids from params made printable)."""
+        rank = self.source.rank if self.source is not None else 0
+        where = f" (prefill rank {rank})" if rank else ""
+        who = f"pull {loggable(self.handle.request_id)} from {loggable(self.remote_engine_id)}"
+        return f"{who} failed: {loggable(error, 400)}{where}"
 
     def run_on_settled(self) -> None:
         """Run the `on_settled` hook once: no READ can write into this pull's blocks any more."""

@@ -10,8 +10,9 @@ WAIT_PEER -> POSTED -> CONFIRMING -> DONE, or FAILED from any of them (`pull.Pul
 - CONFIRMING: without a held pin the prefill side is asked whether its lease held until the read ended;
   only its COMPLETED makes the pull DONE (fail closed).
 
-Every pull ends by its deadline whatever its peer is doing (`_sweep_deadlines`). A request read from
-several prefill ranks (heterogeneous TP) runs as one pull per rank, joined by a `PullGroup`.
+Every pull ends by its deadline whatever its peer is doing (`_sweep_deadlines`); params that disagree with
+a known peer are checked before it is replaced (`claims.py`). A request read from several prefill ranks
+(heterogeneous TP) runs as one pull per rank, joined by a `PullGroup`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvconnect.core.agent import XferState
 from kvconnect.core.allowlist import parse_allowlist
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig
+from kvconnect.core.decode.claims import Claims
 from kvconnect.core.decode.confirm import LeaseConfirmation
 from kvconnect.core.decode.peers import Peer, PeerSet
 from kvconnect.core.decode.pull import AbandonedReads, PinState, Pull, PullHandle, PullPhase, release_posted
@@ -42,7 +44,7 @@ from kvconnect.core.errors import (
 from kvconnect.core.plan.params import KVTransferParams
 from kvconnect.core.snapshot import Counters
 from kvconnect.core.wire import protocol as p
-from kvconnect.core.wire.logs import LogLimiter, loggable
+from kvconnect.core.wire.logs import LogLimiter
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,7 @@ class DecodeSide:
         self._confirm = LeaseConfirmation(config, cache, engine_id, self._succeed, self._fail)
         self._allowed = parse_allowlist(config.peer_allowlist)
         self.release = Releases(peers, engine_id, self._allowed)
+        self.claims = Claims(peers, engine_id)
         self._failure_logs = LogLimiter(FAILURE_LOGS_PER_S)
 
     # --- any thread --------------------------------------------------------------------------------
@@ -88,11 +91,7 @@ class DecodeSide:
         pull = Pull.from_params(
             params, local_block_ids, request_id, self._cache.spec, self._config.pull_timeout_s, prompt_digest
         )
-        if not self._allowed.allows(pull.remote_host):  # before any connection is made
-            raise InvalidRequestError(
-                "kv_transfer_params.remote_host",
-                f"{pull.remote_host!r} is not an allowed prefill peer (peer_allowlist)",
-            )
+        self._allowed.check(pull.remote_host, "kv_transfer_params.remote_host")
         sources = self.peers.sources(pull.remote_tp)
         parts = pull.parts_for(sources.reads)
 
@@ -118,17 +117,12 @@ class DecodeSide:
         pull.handle.stats.queued_s = time.monotonic() - pull.requested_s
         assert pull.source is not None
         peer = self.peers.get(pull.peer_key)
-        stale = self.peers.stale(peer, pull) if peer is not None else None
-        if peer is not None and stale is not None:
-            why, moved = stale
-            if moved:  # its pulls cannot reach it where they think it is
-                self._fail_peer(peer, PeerGoneError(f"engine {peer.engine_id}: {why}"))
-            else:
-                self._drop_peer(peer, why)
-            peer = None
+        if peer is not None and self.peers.stale(peer, pull):
+            self.claims.add(pull)  # a restart or a move, or forged params: checked before the peer is touched
+            return
         if peer is None:
             peer = self.peers.new(
-                pull.remote_engine_id, pull.remote_host, pull.remote_port, pull.source, pull.remote_tp
+                pull.remote_engine_id, pull.remote_host, pull.remote_port, pull.source, pull.remote_tp, self._busy
             )
         if peer.ready:
             self._post(peer, pull)
@@ -137,6 +131,22 @@ class DecodeSide:
         if not peer.hello_sent_s:
             peer.hello_sent_s = time.monotonic()
             peer.channel.send(p.Hello(p.PROTOCOL_VERSION, self._engine_id))
+
+    def _busy(self, peer: Peer) -> bool:
+        """Whether `peer` serves anything now (a peer that does not may be forgotten at the peers' cap)."""
+        posted = any(x.peer_key == peer.key for x in self._posted)
+        return bool(peer.waiting or peer.confirming or posted or self.abandoned.uses(peer.agent_name))
+
+    def _replace(self, claim: Peer, info: p.PeerInfo) -> None:
+        """A proven claim (claims.py) replaces the known peer of its engine and rank."""
+        current = self.peers.get(claim.key)
+        if current is not None:  # (its waiting pulls fail too: they wait for an address or process that is gone)
+            why = (
+                f"restarted or its address changed: incarnation {info.incarnation_id[:12]} at {claim.host}:{claim.port}"
+            )
+            self._fail_peer(current, PeerGoneError(f"engine {current.engine_id} {why}"))
+        self.peers.adopt(claim)
+        self._peer_ready(claim, info)
 
     def _peer_ready(self, peer: Peer, info: p.PeerInfo) -> None:
         t0 = time.monotonic()
@@ -265,6 +275,9 @@ class DecodeSide:
                 )
             else:
                 self._post(staged_for, pull)
+        for claim, answer in self.claims.settled(now, self._config.handshake_timeout_s):
+            if not self.claims.refuted(claim, answer, self._fail) and isinstance(answer, p.PeerInfo):
+                self._replace(claim, answer)
         self._confirm.tick(now, lambda pull: self.peers.get(pull.peer_key))
         self._sweep_deadlines(now)
         self.abandoned.poll()
@@ -277,15 +290,12 @@ class DecodeSide:
         for peer in self.peers.all():
             if not peer.ready and peer.waiting and now - peer.hello_sent_s >= timeout_s:
                 self._counters.handshake_failures += 1
-                self._fail_peer(
-                    peer,
-                    HandshakeTimeoutError(
-                        f"engine {peer.engine_id} at {peer.host}:{peer.port}: "
-                        f"no handshake answer within {timeout_s:.3g}s"
-                    ),
-                )
+                why = f"at {peer.host}:{peer.port}: no handshake answer within {timeout_s:.3g}s"
+                self._fail_peer(peer, HandshakeTimeoutError(f"engine {peer.engine_id} {why}"))
                 continue
             waiting, confirming = peer.take_overdue(now)
+            if not peer.ready and not peer.waiting:  # nobody waits for its handshake (cancelled): free its slot
+                self._drop_peer(peer, "no pull waits for its handshake")
             for late in waiting:
                 self.release.for_pull(late)
                 why = "cancelled" if late.handle.cancel_requested else f"peer {peer.key} not ready before its deadline"
@@ -333,16 +343,8 @@ class DecodeSide:
             return
         if pull.pin is not PinState.NONE:  # drop our pin now rather than when it times out
             self.release.for_pull(pull)
-        rank = pull.source.rank if pull.source is not None else 0
         if self._failure_logs.allow():  # (clients choose how many pulls fail: a few lines a second, then a count)
-            log.warning(
-                "pull %s from %s failed: %s%s%s",
-                loggable(pull.handle.request_id),
-                loggable(pull.remote_engine_id),
-                loggable(error, 400),
-                f" (prefill rank {rank})" if rank else "",
-                self._failure_logs.suppressed(),
-            )
+            log.warning("%s%s", pull.failure_line(error), self._failure_logs.suppressed())
         if pull in self._posted:  # its transfer runs on (given up, refused, peer dropped): hold its blocks until it
             self._posted.remove(pull)  # ends, and a NIXL READ's remote agent with them
             peer = self.peers.get(pull.peer_key)
@@ -382,6 +384,9 @@ class DecodeSide:
         self.peers.forget(peer, keep_agent=self.abandoned.uses(peer.agent_name))
 
     def close(self) -> None:
+        for claim in list(self.claims.close()):
+            for pull in claim.waiting:
+                self._fail(pull, PeerGoneError("connector closed"))
         for peer in self.peers.all():
             self._fail_peer(peer, PeerGoneError("connector closed"))
         for pull in list(self._posted):
