@@ -57,6 +57,23 @@ def test_one_changed_byte_or_two_swapped_blocks_change_the_digest() -> None:
     assert len(before) == 16 and digest([]) != digest([0])
 
 
+def test_layers_swapped_k_and_v_swapped_or_tokens_reordered_change_the_sums() -> None:
+    """Security review: the digest was a plain sum of words, so a byte path that reversed the layers and
+    swapped K with V passed the check: the bug class it exists for. Every word is now weighted by its
+    canonical position."""
+    logical = torch.randn(4, 3, 2, 16, 2, 32, generator=torch.Generator().manual_seed(11)).half()
+    ids = [0, 2]
+    want = block_sums(cache_of(LayoutKind.BLOCKS_FIRST, "NHD", logical), ids)
+    for name, moved in {
+        "layers reversed, K and V swapped": logical.flip(1).flip(2),
+        "layers reversed": logical.flip(1),
+        "K and V swapped": logical.flip(2),
+        "two tokens swapped": logical[:, :, :, [1, 0, *range(2, 16)]],
+        "two heads swapped": logical.flip(4),
+    }.items():
+        assert block_sums(cache_of(LayoutKind.BLOCKS_FIRST, "NHD", moved), ids) != want, name
+
+
 def test_engine_pages_are_summed_whole() -> None:
     spec = CacheSpec(
         kind=LayoutKind.BLOCKS_FIRST,
@@ -71,8 +88,17 @@ def test_engine_pages_are_summed_whole() -> None:
     cache = KVCache.allocate(spec)
     cache.fill_pattern(9)
     sums = block_sums(cache, [2, 3])
-    want = [sum(int(x) for x in np.concatenate([t[b].numpy().view(np.int64) for t in cache.regions])) for b in (2, 3)]
-    assert sums == [((w + 2**63) % 2**64) - 2**63 for w in want]  # modulo 2**64, as signed int64
+
+    def weighted(b: int) -> int:  # words times odd weights from (layer, word in the page), modulo 2**64
+        total = 0
+        for layer, region in enumerate(cache.regions):
+            words = region[b].numpy().view(np.int64)
+            n = words.size
+            for i, w in enumerate(words.tolist()):
+                total += w * ((((layer * n + i) * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % 2**64) | 1)
+        return ((total + 2**63) % 2**64) - 2**63  # as a signed int64
+
+    assert sums == [weighted(2), weighted(3)]
 
 
 @pytest.mark.parametrize(

@@ -1,17 +1,18 @@
 """KV digests (`kv_digest`): the bytes a decode pulled are checked against the prefill's, end to end.
 
-At grant, a prefill with `kv_digest` on sums the content of each leased block: the block seen as 64-bit
-words, summed modulo 2**64 (bytes, where a row of head_dim elements is not a multiple of 8 bytes), over
-every layer and both halves. Such a sum does not depend on where the layout puts the words (kv_first,
-blocks_first, cross_layer, NHD or HND all hold the same words per block), nor on the order of the adds, so
-the two sides need not share a layout or a device. Its answer to a PIN or CONFIRM carries `digest()` over
-the sums of exactly the blocks named; the decode computes the same over the blocks it wrote and fails the
-pull closed (`DigestError`) on a mismatch. It applies where a local block holds what one remote block
-holds (`applies`): the `block` path of one source; pulls that reassemble blocks (TP splits, block-size
-changes, staging) are not checked.
+At grant, a prefill with `kv_digest` on sums the content of each leased block, position-weighted: every
+64-bit word (byte, where a row of head_dim elements is not a multiple of 8 bytes) is multiplied by an odd
+weight drawn from its *canonical* position (layer, K or V, token, head, word in the row; an engine's opaque
+page: layer, word in the page) and the products summed modulo 2**64. The canonical position does not depend
+on where a layout puts the word (kv_first, blocks_first, cross_layer, NHD or HND), so the two sides need not
+share a layout or a device; but a word moved to another position changes the sum: layers swapped, K and V
+swapped, tokens or heads reordered (a plain sum could not tell). One pass: a gather of the blocks in
+canonical order, a multiply and a reduction per chunk of blocks (at most CHUNK_BYTES gathered at once).
 
-On CUDA the sums are one gather and one reduction per chunk of blocks (at most CHUNK_BYTES gathered at
-once); on the CPU, numpy sums each block where it lies (no copy), at memory speed.
+Its answer to a PIN or CONFIRM carries `digest()` over the sums of exactly the blocks named; the decode
+computes the same over the blocks it wrote and fails the pull closed (`DigestError`) on a mismatch. It
+applies where a local block holds what one remote block holds (`applies`): the `block` path of one source;
+pulls that reassemble blocks (TP splits, block-size changes, staging) are not checked.
 """
 
 from __future__ import annotations
@@ -23,43 +24,57 @@ import numpy as np
 import torch
 
 from kvconnect.core.cache import KVCache
-from kvconnect.core.plan.layout import CacheSpec, LayoutKind
+from kvconnect.core.plan.layout import CacheSpec
 
 CHUNK_BYTES = 256 * 2**20  # blocks gathered at once on a GPU
 DIGEST_BYTES = 16
 
 
-def _words(cache: KVCache) -> list[torch.Tensor]:
-    """Every region of `cache` as (num_blocks, n) views, one row per block, of int64 words (or uint8)."""
+_MIX = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed int64 (the weights wrap modulo 2**64)
+_ADD = 0x632BE59BD9B4E019
+
+
+def _units(cache: KVCache) -> list[torch.Tensor]:
+    """The cache as units in canonical order, each (num_blocks, ...) with the words of one unit of a block in
+    canonical order inside it: per layer K then V as (block_size, H, row words) views (an HND cache's strided
+    the other way round), or per layer the engine's page."""
     spec = cache.spec
-    row_bytes = spec.head_dim * spec.itemsize
-    wide = spec.page or row_bytes % 8 == 0
-    out = []
-    for region in cache.regions:
-        parts = [region[0], region[1]] if spec.kind is LayoutKind.KV_FIRST and not spec.page else [region]
-        for part in parts:
-            raw = part.view(torch.uint8).view(spec.num_blocks, -1)  # (a view: never a copy of the cache)
-            out.append(raw.view(torch.int64) if wide and raw.shape[1] % 8 == 0 else raw)
+    if spec.page:
+        return [region.view(spec.num_blocks, -1) for region in cache.regions]
+    out: list[torch.Tensor] = []
+    for layer in range(spec.num_layers):
+        out.extend(cache.kv(layer))
     return out
 
 
+def _as_words(rows: torch.Tensor) -> torch.Tensor:
+    """(m, ...) contiguous rows as (m, n) int64 words (bytes widened to int64 where rows of the last
+    dimension are not whole words)."""
+    raw = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], *rows.shape[1:-1], -1)
+    if raw.shape[-1] % 8 == 0:
+        return raw.view(torch.int64).reshape(rows.shape[0], -1)
+    return raw.reshape(rows.shape[0], -1).to(torch.int64)
+
+
+def _weights(n: int, unit: int, device: torch.device) -> torch.Tensor:
+    pos = torch.arange(unit * n, (unit + 1) * n, dtype=torch.int64, device=device)
+    return (pos * _MIX + _ADD) | 1
+
+
 def block_sums(cache: KVCache, block_ids: Sequence[int] | np.ndarray) -> list[int]:
-    """Per block of `block_ids` (in order), the sum of its content modulo 2**64 (see the module docstring)."""
-    ids = np.asarray(block_ids, dtype=np.int64)
-    views = _words(cache)
-    if views[0].device.type == "cpu":
-        total = np.zeros(len(ids), dtype=np.int64)
-        for view in views:
-            host = view.numpy()
-            total += np.fromiter((host[b].sum(dtype=np.int64) for b in ids), dtype=np.int64, count=len(ids))
-        return [int(x) for x in total]
-    index = torch.as_tensor(ids, device=views[0].device)
-    sums = torch.zeros(len(ids), dtype=torch.int64, device=index.device)
-    for view in views:
-        per_chunk = max(1, CHUNK_BYTES // max(view.shape[1] * view.element_size(), 1))
-        for start in range(0, len(ids), per_chunk):
-            rows = view.index_select(0, index[start : start + per_chunk])
-            sums[start : start + per_chunk] += rows.sum(dim=1, dtype=torch.int64)
+    """Per block of `block_ids` (in order), its position-weighted sum modulo 2**64 (module docstring)."""
+    units = _units(cache)
+    index = torch.as_tensor(np.asarray(block_ids, dtype=np.int64), device=units[0].device)
+    sums = torch.zeros(len(index), dtype=torch.int64, device=index.device)
+    for u, view in enumerate(units):
+        unit_bytes = max(view[0].numel() * view.element_size(), 1)
+        per_chunk = max(1, CHUNK_BYTES // unit_bytes)
+        weights: torch.Tensor | None = None
+        for start in range(0, len(index), per_chunk):
+            words = _as_words(view.index_select(0, index[start : start + per_chunk]))
+            if weights is None:
+                weights = _weights(words.shape[1], u, words.device)
+            sums[start : start + per_chunk] += words.mul_(weights).sum(dim=1)  # (words: a gathered copy)
     return [int(x) for x in sums.cpu().tolist()]
 
 
