@@ -17,6 +17,7 @@ pulls that reassemble blocks (TP splits, block-size changes, staging) are not ch
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 
@@ -24,9 +25,10 @@ import numpy as np
 import torch
 
 from kvconnect.core.cache import KVCache
-from kvconnect.core.plan.layout import CacheSpec
+from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 
-CHUNK_BYTES = 256 * 2**20  # blocks gathered at once on a GPU
+CHUNK_BYTES = 256 * 2**20  # blocks gathered at once on a GPU (fewer kernel launches)
+CPU_CHUNK_BYTES = 2 * 2**20  # ... and on the CPU (a gather that stays in cache while it is multiplied and summed)
 DIGEST_BYTES = 16
 
 
@@ -34,47 +36,58 @@ _MIX = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed int64 (the weights 
 _ADD = 0x632BE59BD9B4E019
 
 
-def _units(cache: KVCache) -> list[torch.Tensor]:
-    """The cache as units in canonical order, each (num_blocks, ...) with the words of one unit of a block in
-    canonical order inside it: per layer K then V as (block_size, H, row words) views (an HND cache's strided
-    the other way round), or per layer the engine's page."""
+def _units(cache: KVCache) -> list[tuple[torch.Tensor, int]]:
+    """The cache as units, each (num_blocks, ...) holding words of a block in canonical order, with the
+    canonical position (in words, or bytes: `_word_bytes`) of its first: as few units as the layout allows
+    (NHD: a whole cross_layer block, a blocks_first layer, a kv_first K or V; HND: each K or V as a strided
+    view in token order; an engine's page per layer)."""
     spec = cache.spec
+    unit = 8 if _word_bytes(spec) == 8 else 1
+    half = spec.half_bytes // unit
     if spec.page:
-        return [region.view(spec.num_blocks, -1) for region in cache.regions]
-    out: list[torch.Tensor] = []
-    for layer in range(spec.num_layers):
-        out.extend(cache.kv(layer))
-    return out
+        page = spec.region_bytes // spec.num_blocks // unit
+        return [(r.view(spec.num_blocks, -1), layer * page) for layer, r in enumerate(cache.regions)]
+    if spec.token_layout == "HND":
+        views = [kv for layer in range(spec.num_layers) for kv in cache.kv(layer)]
+        return [(v, i * half) for i, v in enumerate(views)]
+    if spec.kind is LayoutKind.CROSS_LAYER:
+        return [(cache.regions[0].reshape(spec.num_blocks, -1), 0)]
+    if spec.kind is LayoutKind.BLOCKS_FIRST:
+        return [(r.reshape(spec.num_blocks, -1), 2 * layer * half) for layer, r in enumerate(cache.regions)]
+    return [(r[kv], (2 * layer + kv) * half) for layer, r in enumerate(cache.regions) for kv in (0, 1)]
 
 
-def _as_words(rows: torch.Tensor) -> torch.Tensor:
-    """(m, ...) contiguous rows as (m, n) int64 words (bytes widened to int64 where rows of the last
-    dimension are not whole words)."""
-    raw = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], *rows.shape[1:-1], -1)
-    if raw.shape[-1] % 8 == 0:
-        return raw.view(torch.int64).reshape(rows.shape[0], -1)
-    return raw.reshape(rows.shape[0], -1).to(torch.int64)
+def _word_bytes(spec: CacheSpec) -> int:
+    """8 (int64 words) where every row of head_dim elements (or an engine's page) is whole words, else 1."""
+    row = spec.region_bytes // spec.num_blocks if spec.page else spec.head_dim * spec.itemsize
+    return 8 if row % 8 == 0 else 1
 
 
-def _weights(n: int, unit: int, device: torch.device) -> torch.Tensor:
-    pos = torch.arange(unit * n, (unit + 1) * n, dtype=torch.int64, device=device)
+def _as_words(rows: torch.Tensor, word_bytes: int) -> torch.Tensor:
+    """(m, ...) rows as (m, n) int64 words in their canonical order (bytes widened to int64 when 1)."""
+    raw = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], -1)
+    return raw.view(torch.int64) if word_bytes == 8 else raw.to(torch.int64)
+
+
+@functools.lru_cache(maxsize=512)
+def _weights(start: int, n: int, device: torch.device) -> torch.Tensor:
+    """The odd weights of canonical positions [start, start + n) (kept: the same units come back)."""
+    pos = torch.arange(start, start + n, dtype=torch.int64, device=device)
     return (pos * _MIX + _ADD) | 1
 
 
 def block_sums(cache: KVCache, block_ids: Sequence[int] | np.ndarray) -> list[int]:
     """Per block of `block_ids` (in order), its position-weighted sum modulo 2**64 (module docstring)."""
-    units = _units(cache)
-    index = torch.as_tensor(np.asarray(block_ids, dtype=np.int64), device=units[0].device)
+    units, word_bytes = _units(cache), _word_bytes(cache.spec)
+    index = torch.as_tensor(np.asarray(block_ids, dtype=np.int64), device=units[0][0].device)
     sums = torch.zeros(len(index), dtype=torch.int64, device=index.device)
-    for u, view in enumerate(units):
-        unit_bytes = max(view[0].numel() * view.element_size(), 1)
-        per_chunk = max(1, CHUNK_BYTES // unit_bytes)
-        weights: torch.Tensor | None = None
-        for start in range(0, len(index), per_chunk):
-            words = _as_words(view.index_select(0, index[start : start + per_chunk]))
-            if weights is None:
-                weights = _weights(words.shape[1], u, words.device)
-            sums[start : start + per_chunk] += words.mul_(weights).sum(dim=1)  # (words: a gathered copy)
+    for view, start in units:
+        chunk_bytes = CHUNK_BYTES if view.device.type == "cuda" else CPU_CHUNK_BYTES
+        per_chunk = max(1, chunk_bytes // max(view[0].numel() * view.element_size(), 1))
+        for first in range(0, len(index), per_chunk):
+            words = _as_words(view.index_select(0, index[first : first + per_chunk]), word_bytes)
+            weights = _weights(start, words.shape[1], words.device)
+            sums[first : first + per_chunk] += words.mul_(weights).sum(dim=1)  # (words: a gathered copy)
     return [int(x) for x in sums.cpu().tolist()]
 
 
