@@ -263,3 +263,22 @@ def test_first_contacts_and_known_peers_are_bounded_and_idle_peers_make_room(mon
     finally:
         for p_ in prefills:
             p_.close()
+
+
+def test_prefill_legs_nobody_reads_cannot_hold_the_whole_cache(wire) -> None:
+    """Prefill legs whose decode never comes (a client that disconnects after the first leg) used to hold
+    their blocks for the TTL, every block of the cache with four of them. With lease_cache_share 0.5 of a
+    16-block cache, a fifth leg expires the oldest unread lease instead, and its own decode reads it."""
+    cache = KVCache.allocate(spec(LayoutKind.CROSS_LAYER, 16))
+    cache.fill_pattern(5)
+    with KVConnector(
+        cache, config_for_tests(lease_cache_share=0.5, lease_ttl_s=60.0), fast_paths=(FakeTransport,)
+    ) as prefill:
+        wire.serve(prefill._peer_info.agent_name, cache)
+        abandoned = [prefill.lease(rid(), [2 * i, 2 * i + 1], 32) for i in range(4)]  # 8 of 16 blocks
+        fifth = prefill.lease(rid(), [10, 11], 32)
+        assert prefill.lease_state(abandoned[0].remote_lease_id).value == "expired"
+        assert prefill.snapshot().lease_blocks_held == 8
+        with decoder(wire) as dec:
+            dec.pull(fifth, [0, 1]).wait(10)
+            assert dec.cache.block_bytes(1) == cache.block_bytes(11)

@@ -244,7 +244,7 @@ def test_a_release_that_precedes_its_grant_ends_the_grant_within_the_grace() -> 
 def test_early_releases_are_bounded_whatever_a_peer_sends() -> None:
     """A peer may name any request id and up to a 4 MiB message of block ids: the table remembers at most
     MAX_EARLY_RELEASES of them (the oldest go first), and none whose id is over MAX_EARLY_ID characters."""
-    from kvconnect.core.prefill import lease as lease_module
+    from kvconnect.core.prefill import record as lease_module
 
     clock = Clock()
     t = LeaseTable(10.0, clock, lambda rid, ids: None, grace_s=5.0)
@@ -320,3 +320,23 @@ def test_grouped_blocks_pair_the_tail_of_each_group() -> None:
         tail_pairs(GroupedBlocks.of([[1], [2, 3, 4]]), GroupedBlocks.of([[5], [6, 7]]), "f")
     with pytest.raises(InvalidRequestError, match="do not split"):
         GroupedBlocks.flat([1, 2, 3], [1, 1], "kv_transfer_params.remote_group_sizes")
+
+
+def test_leases_hold_at_most_their_share_of_the_cache_and_abandoned_ones_make_room() -> None:
+    """Security review: four prefill-leg-only requests leased the whole prefill cache and the next one waited
+    for the 60 s TTL. Leases now hold at most `max_blocks` (lease_cache_share of the cache): a grant beyond it
+    expires the oldest leases nobody pinned, and is refused when the pinned ones alone leave no room."""
+    clock, freed = Clock(), []
+    t = LeaseTable(60.0, clock, lambda lease, ids: freed.extend(ids), max_blocks=6)
+    t.grant("a", [1, 2, 3])
+    t.grant("b", [4, 5])
+    t.grant("c", [3, 6])  # 6 blocks held (3 shared): at the cap, nothing ends
+    assert t.num_blocks_held == 6 and freed == []
+    t.grant("d", [7, 8])  # 8 > 6: the oldest unpinned lease ("a") ends; block 3 stays held by "c"
+    assert t.state("a") is LeaseState.EXPIRED and sorted(freed) == [1, 2] and t.num_blocks_held == 6
+    assert t.pin("b", 0, 30.0, b"tok") is LeaseState.HELD and t.pin("c", 0, 30.0, b"tk2") is LeaseState.HELD
+    t.grant("e", [9])  # "b" and "c" are pinned: "d" is the one to go
+    assert t.state("d") is LeaseState.EXPIRED and t.state("b") is LeaseState.HELD
+    with pytest.raises(LeaseError, match="3 blocks do not fit: leases hold 5 blocks, pinned, and may hold 6"):
+        t.grant("f", [10, 11, 12])  # ending the one unpinned lease ("e") would leave 4 + 3 > 6
+    assert t.state("e") is LeaseState.HELD and t.state("f") is LeaseState.UNKNOWN  # a refused grant ends nothing

@@ -58,6 +58,10 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
     # lease the prefill has never seen, for this long, instead of failing the pull. Such an engine must hold
     # the blocks from before the params leave (vLLM does: its request_finished keeps them)
     lease_grace_s: float = 0.0
+    # the share of the cache's blocks that leases may hold at once: beyond it the oldest lease nobody has
+    # pinned (a prefill leg whose decode never came) is expired to make room, and a grant that cannot fit is
+    # refused, so abandoned legs cannot starve the prefill of blocks until their TTL
+    lease_cache_share: float = 0.5
     handshake_timeout_s: float = 5.0  # decode: a prefill that has not answered its handshake by then fails its pulls
     pull_timeout_s: float = 30.0  # deadline of one READ, posting to completion
     confirm_reads: bool = True  # ask the prefill side whether the lease held during the read
@@ -127,6 +131,8 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
         for name in ("lease_ttl_s", "handshake_timeout_s", "pull_timeout_s", "poll_interval_s", "verdict_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 < self.lease_cache_share <= 1:
+            raise ConfigError(f"lease_cache_share must be in (0, 1], got {self.lease_cache_share}")
         if not 0 <= self.lease_grace_s <= MAX_LEASE_GRACE_S:
             raise ConfigError(f"lease_grace_s must be between 0 and {MAX_LEASE_GRACE_S:g} s, got {self.lease_grace_s}")
         try:

@@ -71,7 +71,12 @@ class KVConnector:
         self.faults = faults  # None unless fault injection was asked for (faults.py)
         expire_read = faults.take_read_expiry if faults is not None else None
         self._leases = LeaseTable(
-            config.lease_ttl_s, clock, self._blocks_freed, grace_s=config.lease_grace_s, expire_read=expire_read
+            config.lease_ttl_s,
+            clock,
+            self._blocks_freed,
+            grace_s=config.lease_grace_s,
+            expire_read=expire_read,
+            max_blocks=max(1, int(config.lease_cache_share * self.spec.num_blocks)),
         )
         if faults is not None:
             faults.bind(self._leases.force_expire)

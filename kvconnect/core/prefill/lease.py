@@ -20,6 +20,9 @@ that will read them. The rules:
 - **Pins.** A reader may pin a held lease before its read ends: until the pin ends (complete, release, or
   its own deadline) the blocks are not handed back, whatever ends the lease meanwhile; that end takes
   effect when the last pin goes.
+- **Bounded.** Leases hold at most `max_blocks` blocks at once (`lease_cache_share` of the cache): a grant
+  beyond it first expires the oldest leases nobody has pinned (prefill legs whose decode never came), and is
+  refused (LeaseError) if even that does not make room.
 - **Early releases.** With a grace (`grace_s`: engines that grant a little after their params left), a
   RELEASE of a lease not granted yet is remembered that long, and the grant it precedes ends at once,
   RELEASED, if the release named a suffix of its blocks.
@@ -36,13 +39,10 @@ import numpy as np
 
 from kvconnect.core.errors import LeaseError
 from kvconnect.core.plan.groups import MAX_GROUPS
-from kvconnect.core.prefill.record import PROMPT_REFUSED, Lease, grouped
+from kvconnect.core.prefill.record import PROMPT_REFUSED, EarlyReleases, Lease, grouped, room_for
 from kvconnect.core.wire.protocol import LeaseState, blocks_digest
 
 log = logging.getLogger(__name__)
-
-MAX_EARLY_RELEASES = 4096  # releases of leases not granted yet that are remembered at once (oldest dropped)
-MAX_EARLY_ID = 256  # longer request ids are not remembered (a peer's message may be 4 MiB of id)
 
 
 class LeaseTable:
@@ -54,7 +54,9 @@ class LeaseTable:
         tombstone_s: float | None = None,
         grace_s: float = 0.0,
         expire_read: Callable[[], bool] | None = None,
+        max_blocks: int | None = None,
     ) -> None:
+        """`max_blocks`: the most blocks leases may hold at once (module docstring, "Bounded")."""
         if ttl_s <= 0:
             raise LeaseError(f"lease ttl must be positive, got {ttl_s}")
         self.ttl_s = ttl_s
@@ -66,8 +68,8 @@ class LeaseTable:
         self._holders: dict[int, int] = {}  # block id -> how many leases (held, or ended and pinned) hold it
         self._expire_read = expire_read or (lambda: False)  # fault injection (faults.py): this read fails
         self.grace_s = grace_s
-        # request id -> (forget at, how many blocks it named, their digest): bounded whatever a peer sends
-        self._early: dict[str, tuple[float, int, bytes]] = {}
+        self._early = EarlyReleases()
+        self.max_blocks = max_blocks
         self.counts = {state: 0 for state in LeaseState}
 
     # --- queries -----------------------------------------------------------------------------------
@@ -177,6 +179,7 @@ class LeaseTable:
             if groups and (sum(groups) != len(ids) or min(groups) < 0):
                 raise LeaseError(f"lease {label or lease_id[:8]}: group sizes {list(groups)} do not split its blocks")
             now = self._clock()
+            making_room = room_for(ids, self._leases.values(), self._holders, self.max_blocks, label or lease_id[:8])
             lease = Lease(
                 lease_id,
                 ids,
@@ -191,13 +194,15 @@ class LeaseTable:
             for b in ids:
                 self._holders[b] = self._holders.get(b, 0) + 1
             self.counts[LeaseState.HELD] += 1
-            early = self._early.pop(lease_id, None)
-        if (
-            early is not None
-            and early[0] > now
-            and 0 < early[1] <= len(ids)
-            and blocks_digest(ids[len(ids) - early[1] :]) == early[2]
-        ):
+            released_early = self._early.take(lease_id, ids, now)
+        for old in making_room:
+            log.warning(
+                "lease %s expired early: leases would hold more than %d blocks (lease_cache_share)",
+                old.request_id,
+                self.max_blocks,
+            )
+            self._end(old.lease_id, LeaseState.EXPIRED)
+        if released_early:
             log.info("lease %s: released before it was granted; its %d blocks go back now", lease.request_id, len(ids))
             self._end(lease_id, LeaseState.RELEASED)
         return lease
@@ -279,11 +284,7 @@ class LeaseTable:
         grace (module doc)."""
         with self._lock:
             if lease_id not in self._leases and block_ids is not None and self.grace_s > 0:
-                if len(lease_id) <= MAX_EARLY_ID and block_ids:
-                    self._early.pop(lease_id, None)  # (re-inserted last: the oldest goes first)
-                    if len(self._early) >= MAX_EARLY_RELEASES:
-                        del self._early[next(iter(self._early))]
-                    self._early[lease_id] = (self._clock() + self.grace_s, len(block_ids), blocks_digest(block_ids))
+                self._early.remember(lease_id, block_ids, self._clock() + self.grace_s)
                 return LeaseState.UNKNOWN
         state = self._end(lease_id, LeaseState.RELEASED)
         if reader >= 0:
@@ -309,8 +310,7 @@ class LeaseTable:
                     expired.append(lease)
                 elif lease.state is not LeaseState.HELD and not lease.deferred and now - lease.ended_s >= tomb:
                     del self._leases[rid]
-            for rid in [r for r, (until, _, _) in self._early.items() if until <= now]:
-                del self._early[rid]
+            self._early.forget_before(now)
         for freeing in unpinned:
             self._free(*freeing)
         ended = [x for x in expired if self._end(x.lease_id, LeaseState.EXPIRED) is LeaseState.EXPIRED]

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import hmac
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvconnect.core.errors import LeaseError
 from kvconnect.core.plan.groups import GroupedBlocks
-from kvconnect.core.wire.protocol import LeaseState
+from kvconnect.core.wire.protocol import LeaseState, blocks_digest
 
+MAX_EARLY_RELEASES = 4096  # releases of leases not granted yet that are remembered at once (oldest dropped)
+MAX_EARLY_ID = 256  # longer request ids are not remembered (a peer's message may be 4 MiB of id)
 LEASE_ID_BYTES = 18  # random bytes in a lease id (24 url-safe characters)
 PROMPT_REFUSED = "prompt:"  # how a refusal for another prompt starts (the decode reads it: decode/confirm.py)
 
@@ -53,3 +56,57 @@ class Lease:
         """Whether `token` is the one that claimed `reader` (no claim: False)."""
         owner = self.tokens.get(reader)
         return owner is not None and hmac.compare_digest(owner, token)
+
+
+class EarlyReleases:
+    """RELEASEs of leases not granted yet, remembered until their grace ends (an engine that grants a little
+    after its params left): bounded whatever a peer sends (`MAX_EARLY_RELEASES`, ids of `MAX_EARLY_ID` at
+    most), each kept as a count and a digest of the blocks it named. Callers hold the table's lock."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, tuple[float, int, bytes]] = {}  # lease id -> (forget at, blocks named, digest)
+
+    def remember(self, lease_id: str, block_ids: Sequence[int], until_s: float) -> None:
+        if len(lease_id) > MAX_EARLY_ID or not block_ids:
+            return
+        self._by_id.pop(lease_id, None)  # (re-inserted last: the oldest goes first)
+        if len(self._by_id) >= MAX_EARLY_RELEASES:
+            del self._by_id[next(iter(self._by_id))]
+        self._by_id[lease_id] = (until_s, len(block_ids), blocks_digest(block_ids))
+
+    def take(self, lease_id: str, block_ids: Sequence[int], now_s: float) -> bool:
+        """Whether a release of a suffix of `block_ids` came before this grant, within its grace."""
+        early = self._by_id.pop(lease_id, None)
+        if early is None or early[0] <= now_s or not 0 < early[1] <= len(block_ids):
+            return False
+        return blocks_digest(block_ids[len(block_ids) - early[1] :]) == early[2]
+
+    def forget_before(self, now_s: float) -> None:
+        for lease_id in [x for x, (until, _, _) in self._by_id.items() if until <= now_s]:
+            del self._by_id[lease_id]
+
+
+def room_for(
+    ids: tuple[int, ...], leases: Iterable[Lease], holders: dict[int, int], max_blocks: int | None, label: str
+) -> list[Lease]:
+    """The oldest leases nobody has pinned that must end for a grant of `ids` to fit under `max_blocks`
+    (`holders`: leases per block now); LeaseError when ending all of them would not make room."""
+    held = len(holders) + sum(1 for b in ids if b not in holders)
+    if max_blocks is None or held <= max_blocks:
+        return []
+    left, victims = dict(holders), []
+    for lease in leases:  # (oldest first)
+        if held <= max_blocks:
+            break
+        if lease.state is LeaseState.HELD and not lease.pins:
+            victims.append(lease)
+            for b in lease.block_ids:
+                left[b] -= 1
+                if left[b] == 0 and b not in ids:  # (a block the new lease holds too stays held)
+                    held -= 1
+    if held > max_blocks:
+        raise LeaseError(
+            f"lease {label}: {len(ids)} blocks do not fit: leases hold {len(holders)} blocks, pinned, and "
+            f"may hold {max_blocks} (lease_cache_share of the cache)"
+        )
+    return victims
