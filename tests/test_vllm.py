@@ -27,7 +27,14 @@ from kvconnect.harness.tiny_llama import TinyLlama, build, prompt_of  # noqa: E4
 from kvconnect.harness.vllm_cluster import Server, VllmCluster, generate, kvconnect_config  # noqa: E402
 from tests.faultkit import metric_sum, open_request  # noqa: E402
 from tests.helpers import VLLM_DTYPE  # noqa: E402
-from tests.vllm_kit import MAX_TOKENS, decode_leg, prefill_leg, reference, tokenize  # noqa: E402
+from tests.vllm_kit import (  # noqa: E402
+    MAX_TOKENS,
+    decode_leg,
+    killed_prefill_fails_or_recomputes,
+    prefill_leg,
+    reference,
+    tokenize,
+)
 
 TTL_S = 60.0  # long: a lease that ends sooner was released or read, not expired
 PULL_TIMEOUT_S = 8.0
@@ -263,25 +270,7 @@ def test_a_decode_abort_frees_the_prefill_blocks(c: VllmCluster) -> None:
 
 
 def test_a_killed_prefill_fails_the_decode_leg_or_recomputes_never_hangs(c: VllmCluster) -> None:
-    prompt = prompt_of(500, seed=13)
-    want = reference(c, prompt)
-    for name in ("decode", "decode-r"):  # both decodes hold a ready peer for this prefill
-        assert decode_leg(c, name, prompt, prefill_leg(c, prompt))["token_ids"] == want
-    a, b = prefill_leg(c, prompt), prefill_leg(c, prompt)
-    c.kill("prefill")
-    try:
-        with cf.ThreadPoolExecutor(2) as pool:
-            fa = pool.submit(decode_leg, c, "decode", prompt, a)
-            fb = pool.submit(decode_leg, c, "decode-r", prompt, b)
-            ra, rb = fa.result(), fb.result()
-        assert ra["status"] == 500 and ra["token_ids"] is None, ra  # vLLM's "fail": the request ends in error
-        assert ra["total_s"] < 3 * PULL_TIMEOUT_S  # (it ended by the pull's deadline or sooner, never hung)
-        assert rb["status"] == 200 and rb["token_ids"] == want, rb  # vLLM's "recompute": same tokens
-        failed = sum(metric_sum(c.urls[n], "vllm:kvconnect_num_failed_pulls_total") for n in ("decode", "decode-r"))
-        assert failed >= 2
-    finally:
-        c.restart("prefill")
-    assert generate(c.urls["proxy"], prompt, MAX_TOKENS)["token_ids"] == want  # the new prefill serves again
+    killed_prefill_fails_or_recomputes(c, prompt_of(500, seed=13), 3 * PULL_TIMEOUT_S)
 
 
 def test_the_plugin_refuses_a_bad_setting_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -39,3 +39,31 @@ def tokenize(cluster: VllmCluster, text: str) -> list[int]:
     )
     r.raise_for_status()
     return r.json()["tokens"]  # type: ignore[no-any-return]
+
+
+def killed_prefill_fails_or_recomputes(c: VllmCluster, prompt: str, deadline_s: float) -> None:
+    """Kill the prefill with two leases outstanding: the fail-policy decode ("decode") ends the request in
+    error by the pull's deadline, never hangs; the recompute-policy one ("decode-r") answers the reference
+    tokens; the restarted prefill serves again through the proxy."""
+    import concurrent.futures as cf
+
+    from tests.faultkit import metric_sum
+
+    want = reference(c, prompt)
+    for name in ("decode", "decode-r"):  # both decodes hold a ready peer for this prefill
+        assert decode_leg(c, name, prompt, prefill_leg(c, prompt))["token_ids"] == want
+    a, b = prefill_leg(c, prompt), prefill_leg(c, prompt)
+    c.kill("prefill")
+    try:
+        with cf.ThreadPoolExecutor(2) as pool:
+            fa = pool.submit(decode_leg, c, "decode", prompt, a)
+            fb = pool.submit(decode_leg, c, "decode-r", prompt, b)
+            ra, rb = fa.result(), fb.result()
+        assert ra["status"] == 500 and ra["token_ids"] is None, ra  # vLLM's "fail": the request ends in error
+        assert ra["total_s"] < deadline_s  # (it ended by the pull's deadline or sooner, never hung)
+        assert rb["status"] == 200 and rb["token_ids"] == want, rb  # vLLM's "recompute": same tokens
+        failed = sum(metric_sum(c.urls[n], "vllm:kvconnect_num_failed_pulls_total") for n in ("decode", "decode-r"))
+        assert failed >= 2
+    finally:
+        c.restart("prefill")
+    assert generate(c.urls["proxy"], prompt, MAX_TOKENS)["token_ids"] == want  # the new prefill serves again

@@ -92,20 +92,7 @@ def build(directory: str | Path, model: TinyLlama) -> Path:
         _save_gemma3(out, model, hf_tok)
         marker.write_text(json.dumps(asdict(model)))
         return out
-    cfg = LlamaConfig(
-        vocab_size=len(hf_tok),
-        hidden_size=model.hidden,
-        intermediate_size=model.intermediate,
-        num_hidden_layers=model.layers,
-        num_attention_heads=model.heads,
-        num_key_value_heads=model.kv_heads,
-        head_dim=model.head_dim,
-        max_position_embeddings=model.max_positions,
-        bos_token_id=hf_tok.bos_token_id,
-        eos_token_id=hf_tok.eos_token_id,
-        pad_token_id=hf_tok.pad_token_id,
-        tie_word_embeddings=False,
-    )
+    cfg = LlamaConfig(**_shape(model, hf_tok), tie_word_embeddings=False)
     net: Any = LlamaForCausalLM(cfg)
     net.to(torch.bfloat16).save_pretrained(out)
     hf_tok.save_pretrained(out)
@@ -121,24 +108,31 @@ def prompt_of(tokens: int, seed: int) -> str:
     return text[start : start + max(int(tokens * 2.6), 1)]  # (~2.6 characters per token for this tokenizer)
 
 
+def _shape(model: TinyLlama, hf_tok: Any) -> dict[str, Any]:
+    """The config fields both model families take from the geometry and the tokenizer."""
+    return {
+        "vocab_size": len(hf_tok),
+        "hidden_size": model.hidden,
+        "intermediate_size": model.intermediate,
+        "num_hidden_layers": model.layers,
+        "num_attention_heads": model.heads,
+        "num_key_value_heads": model.kv_heads,
+        "head_dim": model.head_dim,
+        "max_position_embeddings": model.max_positions,
+        "bos_token_id": hf_tok.bos_token_id,
+        "eos_token_id": hf_tok.eos_token_id,
+        "pad_token_id": hf_tok.pad_token_id,
+    }
+
+
 def _save_gemma3(out: Path, model: TinyLlama, hf_tok: Any) -> None:
     import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     cfg = Gemma3TextConfig(
-        vocab_size=len(hf_tok),
-        hidden_size=model.hidden,
-        intermediate_size=model.intermediate,
-        num_hidden_layers=model.layers,
-        num_attention_heads=model.heads,
-        num_key_value_heads=model.kv_heads,
-        head_dim=model.head_dim,
+        **_shape(model, hf_tok),
         sliding_window=model.sliding_window,
         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(model.layers)],
-        max_position_embeddings=model.max_positions,
-        bos_token_id=hf_tok.bos_token_id,
-        eos_token_id=hf_tok.eos_token_id,
-        pad_token_id=hf_tok.pad_token_id,
     )
     net: Any = Gemma3ForCausalLM(cfg)
     net.to(torch.bfloat16).save_pretrained(out)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import zmq
@@ -38,13 +39,25 @@ SHORT_CHANNEL_S = 2.0  # a release-only channel is closed this long after its re
 _seq = itertools.count(1)  # every request's own number: a reply answers exactly the request it names
 
 
-def _ids(block_ids: Sequence[int] | np.ndarray) -> list[int]:
-    return [int(b) for b in block_ids]
-
-
-def _sizes(group_sizes: Sequence[int]) -> list[int]:
-    """Blocks per KV cache group as a request names them: nothing for a single group."""
-    return [int(n) for n in group_sizes] if len(group_sizes) > 1 else []
+def _request(
+    action: p.LeaseAction,
+    engine_id: str,
+    lease_id: str,
+    block_ids: Sequence[int] | np.ndarray,
+    group_sizes: Sequence[int],
+    **fields: Any,
+) -> p.LeaseRequest:
+    """A lease request with its own sequence number, naming the blocks (per KV cache group where several)."""
+    return p.LeaseRequest(
+        p.PROTOCOL_VERSION,
+        engine_id,
+        lease_id,
+        action,
+        block_ids=[int(b) for b in block_ids],
+        seq=next(_seq),
+        group_sizes=[int(n) for n in group_sizes] if len(group_sizes) > 1 else [],  # (one group: none named)
+        **fields,
+    )
 
 
 def pin(
@@ -58,19 +71,17 @@ def pin(
     group_sizes: Sequence[int] = (),
 ) -> p.LeaseRequest:
     """Keep the blocks for this reader until it confirms, or for `pin_s` at most."""
-    return p.LeaseRequest(
-        p.PROTOCOL_VERSION,
+    return _request(
+        p.LeaseAction.PIN,
         engine_id,
         lease_id,
-        p.LeaseAction.PIN,
+        block_ids,
+        group_sizes,
         reader=source.reader,
         readers=source.readers,
         pin_ms=int(pin_s * 1000),
-        block_ids=_ids(block_ids),
-        seq=next(_seq),
         read_token=read_token,
         prompt_digest=prompt_digest,
-        group_sizes=_sizes(group_sizes),
     )
 
 
@@ -84,18 +95,16 @@ def confirm(
     group_sizes: Sequence[int] = (),
 ) -> p.LeaseRequest:
     """This reader's read is done: was the lease (or its pin) held until then?"""
-    return p.LeaseRequest(
-        p.PROTOCOL_VERSION,
+    return _request(
+        p.LeaseAction.CONFIRM,
         engine_id,
         lease_id,
-        p.LeaseAction.CONFIRM,
+        block_ids,
+        group_sizes,
         reader=source.reader,
         readers=source.readers,
-        block_ids=_ids(block_ids),
-        seq=next(_seq),
         read_token=read_token,
         prompt_digest=prompt_digest,
-        group_sizes=_sizes(group_sizes),
     )
 
 
@@ -108,16 +117,8 @@ def release(
     group_sizes: Sequence[int] = (),
 ) -> p.LeaseRequest:
     """Give the blocks back now; a reader releasing as itself (with its token) also drops its own pin."""
-    return p.LeaseRequest(
-        p.PROTOCOL_VERSION,
-        engine_id,
-        lease_id,
-        p.LeaseAction.RELEASE,
-        reader=reader,
-        block_ids=_ids(block_ids),
-        seq=next(_seq),
-        read_token=read_token,
-        group_sizes=_sizes(group_sizes),
+    return _request(
+        p.LeaseAction.RELEASE, engine_id, lease_id, block_ids, group_sizes, reader=reader, read_token=read_token
     )
 
 
