@@ -21,8 +21,8 @@ that will read them. The rules:
   its own deadline) the blocks are not handed back, whatever ends the lease meanwhile; that end takes
   effect when the last pin goes.
 - **Bounded.** Leases hold at most `max_blocks` blocks at once (`lease_cache_share` of the cache): a grant
-  beyond it first expires the oldest leases nobody has pinned (prefill legs whose decode never came), and is
-  refused (LeaseError) if even that does not make room.
+  beyond it expires the oldest leases nobody has pinned (prefill legs whose decode never came). A grant is
+  never refused, and pinned leases (being read) stay, so those and the grant may go over the bound.
 - **Early releases.** With a grace (`grace_s`: engines that grant a little after their params left), a
   RELEASE of a lease not granted yet is remembered that long, and the grant it precedes ends at once,
   RELEASED, if the release named a suffix of its blocks.
@@ -179,7 +179,7 @@ class LeaseTable:
             if groups and (sum(groups) != len(ids) or min(groups) < 0):
                 raise LeaseError(f"lease {label or lease_id[:8]}: group sizes {list(groups)} do not split its blocks")
             now = self._clock()
-            making_room = room_for(ids, self._leases.values(), self._holders, self.max_blocks, label or lease_id[:8])
+            making_room = room_for(ids, self._leases.values(), self._holders, self.max_blocks)
             lease = Lease(
                 lease_id,
                 ids,

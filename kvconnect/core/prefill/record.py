@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvconnect.core.errors import LeaseError
 from kvconnect.core.plan.groups import GroupedBlocks
 from kvconnect.core.wire.protocol import LeaseState, blocks_digest
 
@@ -87,10 +86,11 @@ class EarlyReleases:
 
 
 def room_for(
-    ids: tuple[int, ...], leases: Iterable[Lease], holders: dict[int, int], max_blocks: int | None, label: str
+    ids: tuple[int, ...], leases: Iterable[Lease], holders: dict[int, int], max_blocks: int | None
 ) -> list[Lease]:
-    """The oldest leases nobody has pinned that must end for a grant of `ids` to fit under `max_blocks`
-    (`holders`: leases per block now); LeaseError when ending all of them would not make room."""
+    """The oldest leases nobody has pinned that end so that, with a grant of `ids`, the leases hold at most
+    `max_blocks` (`holders`: leases per block now). A grant is never refused: the request is the engine's to
+    serve. Pinned leases are being read and stay, so what they and the grant hold may exceed the bound."""
     held = len(holders) + sum(1 for b in ids if b not in holders)
     if max_blocks is None or held <= max_blocks:
         return []
@@ -104,9 +104,4 @@ def room_for(
                 left[b] -= 1
                 if left[b] == 0 and b not in ids:  # (a block the new lease holds too stays held)
                     held -= 1
-    if held > max_blocks:
-        raise LeaseError(
-            f"lease {label}: {len(ids)} blocks do not fit: leases hold {len(holders)} blocks, pinned, and "
-            f"may hold {max_blocks} (lease_cache_share of the cache)"
-        )
     return victims
