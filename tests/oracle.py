@@ -3,7 +3,9 @@ rule NIXL applies, executed on explicit descriptor arrays (the oracle the layout
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -53,3 +55,16 @@ def merge_runs(
     out_dst[:, 1] = lengths
     out_src[:, 1] = lengths
     return out_dst, out_src
+
+
+def execute(
+    pair: PairPlan, dst: Any, src: Any, local_ids: Sequence[int], remote_ids: Sequence[int], num_tokens=None
+) -> PullPlan:
+    """Carry out `pair`'s plan for these blocks with memmove between two local caches (`KVCache`): what a READ
+    of the same descriptors would do."""
+    p = plan(pair, local_ids, remote_ids, num_tokens)
+    ldesc, rdesc = pair.local_descs(dst.base_addrs(), 0), pair.remote_descs(src.base_addrs(), 0)
+    for (daddr, n, _), (saddr, m, _) in zip(ldesc[p.local_indices], rdesc[p.remote_indices], strict=True):
+        assert n == m
+        ctypes.memmove(int(daddr), int(saddr), int(n))
+    return p

@@ -2,9 +2,10 @@
 have them, with vLLM's hybrid KV cache manager on (its default once the connector claims `SupportsHMA`).
 
 The model is a tiny random Gemma 3 (`TinyLlama.named("tiny-swa")`): 4 layers alternating a 64-token window and
-full attention, block size 32. vLLM keeps two KV cache groups that overlay one allocation, so kvconnect
-registers 2 regions and moves block b of either group as block b of both: a pull moves every prompt block of
-the full-attention group and only the window's tail of the sliding one, cdiv(64, 32) + 1 = 3 blocks.
+full attention, block size 128 (what llm-d's gpt-oss guide runs). vLLM keeps two KV cache groups that overlay
+one allocation, so kvconnect registers 2 regions and moves block b of either group as block b of both: a pull
+moves every prompt block of the full-attention group and only the window's tail of the sliding one, at most
+cdiv(64, 128) + 1 = 2 blocks.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ from tests.vllm_kit import (  # noqa: E402
     tokenize,
 )
 
-BLOCK = 32
+BLOCK = 128
 WINDOW = TinyLlama.named("tiny-swa").sliding_window
 SLIDING_BLOCKS = -(-WINDOW // BLOCK) + 1  # what a sliding-window group moves at most
-# one block of both regions (2 distinct tensors: one layer of each group shares each): K and V of 32 tokens,
+# one block of both regions (2 distinct tensors: one layer of each group shares each): K and V of 128 tokens,
 # 4 KV heads of 32 float32 values
 BLOCK_BYTES = 2 * (2 * BLOCK * 4 * 32 * 4)
 PULLED = "vllm:kvconnect_bytes_transferred_sum"
@@ -63,8 +64,12 @@ def c(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmCluster]:
 
 
 def expected_bytes(num_prompt_tokens: int) -> int:
+    """Every full-attention block, and the sliding group's blocks from the one holding the window's first token
+    (vLLM has freed those before it: at most SLIDING_BLOCKS, fewer when the window starts late in a block)."""
     full = -(-num_prompt_tokens // BLOCK)
-    return (full + min(full, SLIDING_BLOCKS)) * BLOCK_BYTES
+    sliding = full - max(0, num_prompt_tokens - WINDOW + 1) // BLOCK
+    assert sliding <= SLIDING_BLOCKS
+    return (full + sliding) * BLOCK_BYTES
 
 
 def test_the_decode_registers_one_region_per_overlaid_pair_of_layers(c: VllmCluster) -> None:
@@ -92,7 +97,9 @@ def test_pd_equals_aggregated_shorter_and_longer_than_the_window_moving_only_its
 
 
 def test_a_decode_prefix_hit_pulls_only_the_missing_full_attention_blocks(c: VllmCluster) -> None:
-    ids = tokenize(c, prompt_of(1200, seed=42))[:600]
+    # 540 tokens: the sliding group moves blocks 3 and 4, so the decode's cache holds the window before the
+    # last full block (at 600 it would move block 4 only, and a hybrid prefix hit needs both groups' blocks)
+    ids = tokenize(c, prompt_of(1200, seed=42))[:540]
     want = reference(c, ids)
     sent = []
     for _ in range(2):
@@ -100,11 +107,11 @@ def test_a_decode_prefix_hit_pulls_only_the_missing_full_attention_blocks(c: Vll
         got = decode_leg(c, "decode", ids, prefill_leg(c, ids))
         assert got["status"] == 200 and got["token_ids"] == want, got
         sent.append(metric_sum(c.urls["decode"], PULLED) - before)
-    assert sent[0] == expected_bytes(600) and 0 < sent[1] < sent[0], sent
+    assert sent[0] == expected_bytes(540) and 0 < sent[1] < sent[0], sent
 
 
 def test_four_concurrent_requests_sharing_a_prefix_longer_than_the_window(c: VllmCluster) -> None:
-    prefix = tokenize(c, prompt_of(800, seed=77))[:320]  # 10 blocks, 5 windows
+    prefix = tokenize(c, prompt_of(800, seed=77))[:320]  # 2.5 blocks, 5 windows
     prompts = [prefix + tokenize(c, prompt_of(60 + 17 * i, seed=300 + i)) for i in range(4)]
     wants = [reference(c, p) for p in prompts]
     assert generate(c.urls["prefill"], prefix, 1)["status"] == 200  # the prefill's prefix cache holds it

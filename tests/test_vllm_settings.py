@@ -94,3 +94,88 @@ def test_kv_cache_groups_move_whole_or_as_a_windows_tail_and_other_kinds_stop_st
     message = str(e.value)
     assert "\n" not in message and "KV cache group 1 (model.layers.0.mixer" in message and "MambaSpec" in message
     assert "and 1 more" in message and "sliding-window" in message
+
+
+# --- a drop-in for NixlConnector deployments -------------------------------------------------------------
+
+
+def test_nixlconnectors_keys_with_a_kvconnect_meaning_are_read_and_the_rest_refused_with_a_hint() -> None:
+    s = read_settings(Cfg({"kv_lease_duration": 45, "num_threads": 4, "backends": ["UCX"]}))
+    assert (s.config.lease_ttl_s, s.config.nixl_threads) == (45, 4)
+    assert read_settings(Cfg({"enforce_handshake_compat": True})).config.lease_ttl_s == 60
+    with pytest.raises(ConfigError, match="both kv_lease_duration .* and lease_ttl_s"):
+        read_settings(Cfg({"kv_lease_duration": 45, "lease_ttl_s": 30}))
+    with pytest.raises(ConfigError, match="UCX backend"):
+        read_settings(Cfg({"backends": ["GDS"]}))
+    with pytest.raises(ConfigError, match="cannot be turned off"):
+        read_settings(Cfg({"enforce_handshake_compat": False}))
+    with pytest.raises(ConfigError, match="kv_recompute_threshold: use kv_transfer_config.kv_load_failure_policy"):
+        read_settings(Cfg({"kv_recompute_threshold": 0.5}))
+    with pytest.raises(ConfigError, match="unknown key.*'kv_lease_durations'"):
+        read_settings(Cfg({"kv_lease_durations": 45}))
+
+
+def test_nixlconnectors_side_channel_variables_stand_in_only_where_kvconnects_are_unset() -> None:
+    trusted = {"KVCONNECT_INSECURE_SIDE_CHANNEL": "1"}  # (a non-loopback side channel needs a secret otherwise)
+    nixl = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.1.2.3", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5600", **trusted}
+    c = read_settings(Cfg({}), environ=nixl).config
+    assert (c.side_channel_host, c.advertise_host, c.side_channel_port) == ("10.1.2.3", "10.1.2.3", 5600)
+    own = read_settings(Cfg({"side_channel_port": 7000}), environ={**nixl, "KVCONNECT_SIDE_CHANNEL_HOST": "10.9.9.9"})
+    assert (own.config.side_channel_host, own.config.side_channel_port) == ("10.9.9.9", 7000)
+    assert own.config.advertise_host in ("", "10.9.9.9")  # (never NixlConnector's host over kvconnect's own)
+    wild = read_settings(
+        Cfg({"advertise_host": "10.1.2.3"}), environ={"VLLM_NIXL_SIDE_CHANNEL_HOST": "0.0.0.0", **trusted}
+    )
+    assert (wild.config.side_channel_host, wild.config.advertise_host) == ("0.0.0.0", "10.1.2.3")
+    with pytest.raises(ConfigError, match="VLLM_NIXL_SIDE_CHANNEL_PORT='56x0' is not a port"):
+        read_settings(Cfg({}), environ={"VLLM_NIXL_SIDE_CHANNEL_PORT": "56x0"})
+    assert read_settings(Cfg({}), environ={}).config.side_channel_port == 0  # (unset: kvconnect's default)
+
+
+def test_each_data_parallel_rank_gets_its_own_run_of_ports_after_the_lower_ranks() -> None:
+    from kvconnect.vllm.settings import rank_config
+
+    class Tp2(Cfg):
+        def __init__(self, extra: dict[str, Any]) -> None:
+            super().__init__(extra)
+            self.parallel_config = type("P", (), {"tensor_parallel_size": 2})()
+
+    s = read_settings(Tp2({"side_channel_port": 5600}))
+    ports = {(dp, tp): rank_config(s, tp, dp).side_channel_port for dp in range(3) for tp in range(2)}
+    assert ports == {(0, 0): 5600, (0, 1): 5601, (1, 0): 5602, (1, 1): 5603, (2, 0): 5604, (2, 1): 5605}
+    with pytest.raises(ConfigError, match="data-parallel rank 5000"):
+        rank_config(read_settings(Tp2({"side_channel_port": 60000})), 1, 5000)
+    assert rank_config(read_settings(Cfg({})), 0, 3).side_channel_port == 0  # (0: a free port per rank)
+
+
+def test_the_plugin_asks_vllm_for_heads_outermost_pages_unless_told_or_mla() -> None:
+    from kvconnect.vllm import KVConnectConnector
+    from kvconnect.vllm.settings import required_layout
+
+    class Full(Cfg):
+        def __init__(self, extra: dict[str, Any], mla: bool = False) -> None:
+            super().__init__(extra)
+            self.model_config = type("M", (), {"use_mla": mla})()
+
+    assert KVConnectConnector.get_required_kvcache_layout(Full({})) == "HND"
+    assert KVConnectConnector.get_required_kvcache_layout(Full({"kv_cache_layout": "vllm"})) is None
+    assert KVConnectConnector.get_required_kvcache_layout(Full({}, mla=True)) is None  # (a latent has no heads)
+    with pytest.raises(ConfigError, match="kv_cache_layout must be one of"):
+        required_layout(Full({"kv_cache_layout": "NHD"}))
+    assert read_settings(Cfg({"kv_cache_layout": "vllm"})).config.lease_ttl_s == 60  # (a key of the plug-in's)
+
+
+def test_the_entry_point_registers_the_connector_by_name_once() -> None:
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvconnect.vllm import KVConnectConnector
+    from kvconnect.vllm.plugin import register
+
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "kvconnect"]
+    assert ep.load() is register
+    register()
+    assert register() is False  # (vLLM loads plugins in every process, maybe twice)
+    kvt = KVTransferConfig(kv_connector="KVConnectConnector", kv_role="kv_both")
+    assert KVConnectorFactory.get_connector_class(kvt) is KVConnectConnector

@@ -118,6 +118,7 @@ class _Server:
             tp_rank=0,
             total_kv_heads=g["heads"],
             page=str(g.get("page", "vllm:cuda")),
+            latent=shape.startswith("latent:"),
         ).cache
         return self._serve(port)
 

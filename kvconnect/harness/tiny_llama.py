@@ -2,7 +2,9 @@
 byte-level BPE tokenizer trained on kvconnect's own sources, saved as a Hugging Face model directory
 any engine can load (`vllm serve DIR`, `transformers.AutoModelForCausalLM.from_pretrained(DIR)`). With a
 `sliding_window`, a Gemma 3 text model instead, its layers alternating sliding-window and full attention
-(the hybrid KV cache of gpt-oss and Gemma 3: two KV cache groups in vLLM).
+(the hybrid KV cache of gpt-oss and Gemma 3: two KV cache groups in vLLM). With a `kv_lora_rank`, a DeepSeek-V2
+model with multi-head latent attention (MLA, as DeepSeek, Kimi and GLM): vLLM caches one latent vector of
+`kv_lora_rank + rope_dim` values per token and layer, shared by every head, instead of K and V per head.
 
 Greedy decoding of such a model is noise, but deterministic: a disaggregated run that differs from an
 aggregated one token for token has moved the wrong KV. Needs `transformers` and `tokenizers` (the
@@ -24,6 +26,10 @@ GEOMETRIES = {
     # gpt-oss-120b's attention (36 layers alternating a 128-token window and full attention, 8 KV heads x 64),
     # dense and small otherwise: only the KV cache's shape matters to a transfer
     "oss-attn": (512, 8, 8, 36, 512, 2048, 8192, 0, 128),
+    # DeepSeek-V3's latent (512 + 64 = 576 values per token and layer), 4 layers, dense MLP, small otherwise
+    "tiny-mla": (256, 4, 4, 4, 512, 2048, 8192, 0, 0, 512, 64),
+    # DeepSeek-V3's KV cache shape: 61 layers of the 576-value latent (dense MLP: only the cache's shape matters)
+    "v3-mla": (512, 8, 8, 61, 512, 2048, 8192, 0, 0, 512, 64),
 }
 MARKER = "kvconnect-tiny-llama.json"
 
@@ -39,6 +45,8 @@ class TinyLlama:
     max_positions: int = 8192
     seed: int = 0
     sliding_window: int = 0  # > 0: a Gemma 3 text model, even layers sliding-window, odd ones full attention
+    kv_lora_rank: int = 0  # > 0: a DeepSeek-V2 model with MLA (latent of kv_lora_rank + rope_dim per token)
+    rope_dim: int = 64
 
     @classmethod
     def named(cls, name: str) -> TinyLlama:
@@ -88,8 +96,8 @@ def build(directory: str | Path, model: TinyLlama) -> Path:
         "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
     torch.manual_seed(model.seed)
-    if model.sliding_window:
-        _save_gemma3(out, model, hf_tok)
+    if model.sliding_window or model.kv_lora_rank:
+        (_save_mla if model.kv_lora_rank else _save_gemma3)(out, model, hf_tok)
         marker.write_text(json.dumps(asdict(model)))
         return out
     cfg = LlamaConfig(**_shape(model, hf_tok), tie_word_embeddings=False)
@@ -135,5 +143,30 @@ def _save_gemma3(out: Path, model: TinyLlama, hf_tok: Any) -> None:
         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(model.layers)],
     )
     net: Any = Gemma3ForCausalLM(cfg)
+    net.to(torch.bfloat16).save_pretrained(out)
+    hf_tok.save_pretrained(out)
+
+
+def _save_mla(out: Path, model: TinyLlama, hf_tok: Any) -> None:
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    shape = _shape(model, hf_tok)
+    shape.pop("head_dim")
+    cfg = DeepseekV2Config(
+        **shape,
+        kv_lora_rank=model.kv_lora_rank,
+        q_lora_rank=None,
+        qk_rope_head_dim=model.rope_dim,
+        qk_nope_head_dim=model.head_dim,
+        v_head_dim=model.head_dim,
+        first_k_dense_replace=model.layers,  # every layer a dense MLP
+        n_routed_experts=4,  # (no layer uses them: first_k_dense_replace covers all)
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        tie_word_embeddings=False,
+    )
+    net: Any = DeepseekV2ForCausalLM(cfg)
     net.to(torch.bfloat16).save_pretrained(out)
     hf_tok.save_pretrained(out)

@@ -5,7 +5,10 @@ hands `register_kv_caches`, for tests and GPU checks of `kvconnect.vllm.layout.d
   one head, packed) whose strides follow `order`, a permutation of "LBHNC" read outermost first (LBNHC is
   the FlashAttention NHD layout, LBHNC the HND one, BLNHC/BLHNC block-outermost: a block holds every
   layer's page).
-- `make_views(shape, ...)`: either, by name: a packed order, or "split:<form>".
+- `latent_views(form, ...)`: MLA latent caches, one vector of `width` values per token and layer: "3d"
+  `(B, N, C)` per layer (vLLM 0.26 on the GPU), "4d" `[B, 1, N, C]` (vLLM 0.32), "cross" one
+  `(B, L, N, C)` buffer viewed per layer.
+- `make_views(shape, ...)`: any of them, by name: a packed order, "split:<form>" or "latent:<form>".
 - `split_views(form, ...)`: K and V as a dimension of size 2 (older vLLM backends and FlashInfer):
   "blocks_first" `(num_blocks, 2, N, H, D)` per layer (the FlashInfer/FlashAttention paged layout), "kv_first"
   `(2, num_blocks, N, H, D)` per layer, or "cross_layer": one `(num_blocks, L, 2, N, H, D)` buffer viewed per
@@ -85,6 +88,31 @@ def split_views(
     return {layer_name(layer): raw[layer * per : (layer + 1) * per].view(shape) for layer in range(layers)}, raw
 
 
+LATENT_FORMS = ("3d", "4d", "cross")
+
+
+def latent_views(
+    form: str,
+    layers: int,
+    blocks: int,
+    tokens: int,
+    width: int,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    device: str = "cpu",
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(per-layer latent caches, the memory under them), random values from `seed`."""
+    if form not in LATENT_FORMS:
+        raise ValueError(f"form {form!r} is not one of {LATENT_FORMS}")
+    raw = _filled(layers * blocks * tokens * width, dtype, seed, device)
+    if form == "cross":
+        whole = raw.view(blocks, layers, tokens, width)
+        return {layer_name(layer): whole[:, layer] for layer in range(layers)}, raw
+    per = blocks * tokens * width
+    shape = (blocks, tokens, width) if form == "3d" else (blocks, 1, tokens, width)
+    return {layer_name(layer): raw[layer * per : (layer + 1) * per].view(shape) for layer in range(layers)}, raw
+
+
 def make_views(
     shape: str,
     layers: int,
@@ -96,7 +124,10 @@ def make_views(
     seed: int = 0,
     device: str = "cpu",
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """`packed_views(shape, ...)`, or `split_views(form, ...)` for a shape "split:<form>"."""
+    """`packed_views(shape, ...)`, `split_views(form, ...)` for a shape "split:<form>", or `latent_views(form,
+    ...)` for "latent:<form>" (width 2 x head_dim, `heads` ignored: a latent has none)."""
+    if shape.startswith("latent:"):
+        return latent_views(shape.removeprefix("latent:"), layers, blocks, tokens, 2 * head_dim, dtype, seed, device)
     if shape.startswith("split:"):
         return split_views(shape.removeprefix("split:"), layers, blocks, heads, tokens, head_dim, dtype, seed, device)
     return packed_views(shape, layers, blocks, heads, tokens, head_dim, dtype, seed, device)

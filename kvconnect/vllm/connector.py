@@ -31,12 +31,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvconnect.core.config import env_choice
+from kvconnect.core.errors import LayoutError
 from kvconnect.vllm.compat import check_version, detect
 from kvconnect.vllm.groups import group_moves
 from kvconnect.vllm.layout import cross_layer_views
 from kvconnect.vllm.metadata import StepOrders
 from kvconnect.vllm.scheduler import SchedulerSide
-from kvconnect.vllm.settings import rank_config, read_settings
+from kvconnect.vllm.settings import rank_config, read_settings, required_layout
 from kvconnect.vllm.stats import KVConnectPromMetrics, KVConnectStats
 from kvconnect.vllm.worker import WorkerSide
 
@@ -55,10 +56,20 @@ API = detect(vllm_base)  # what this vLLM's connector interface offers (compat.p
 _HMA: tuple[type, ...] = (vllm_base.SupportsHMA,) if API.hma else ()  # (claimed where vLLM defines it)
 
 
-def _page_format(vllm_config: VllmConfig, dtype: torch.dtype, head_size: int) -> str:
+SUPPORTED_FAMILIES = (
+    "kvconnect moves dense and GQA attention (Llama, Qwen, Mistral), sliding-window + full attention hybrids "
+    "(gpt-oss, Gemma 3) and MLA latent caches (DeepSeek, Kimi, GLM); Mamba and linear-attention state is not "
+    "supported yet"
+)
+
+
+def _page_format(vllm_config: VllmConfig, dtype: torch.dtype, head_size: int, latent: bool) -> str:
     """Names what one page holds inside, so that only peers with the same format exchange pages (the CPU
-    attention backend lays a page out per instruction set)."""
+    attention backend lays a page out per instruction set; every MLA backend keeps a token's latent as one
+    vector, a different size where it differs, e.g. DeepSeek-V3.2's fp8_ds_mla)."""
     device = vllm_config.device_config.device_type
+    if latent:
+        return f"vllm:{device}-mla"
     if device != "cpu":
         return f"vllm:{device}"
     try:
@@ -105,9 +116,9 @@ class KVConnectConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]  # (b
             rank = get_tensor_model_parallel_rank()
             model = vllm_config.model_config
             self._worker = WorkerSide(
-                rank_config(self._settings, rank),
+                rank_config(self._settings, rank, int(getattr(vllm_config.parallel_config, "data_parallel_index", 0))),
                 rank,
-                model.get_total_num_kv_heads(),
+                1 if getattr(model, "use_mla", False) else model.get_total_num_kv_heads(),
                 failed_requests=API.transfer_results,
             )
             self._model = model
@@ -120,11 +131,18 @@ class KVConnectConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]  # (b
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         first = next(iter(kv_caches.values()))
-        page = _page_format(self._vllm_config, first.dtype, self._model.get_head_size())
+        latent = bool(getattr(self._model, "use_mla", False))
+        page = _page_format(self._vllm_config, first.dtype, self._model.get_head_size(), latent)
         num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else first.shape[0]
-        self._worker_side().register_kv_caches(
-            kv_caches, num_blocks, self._settings.block_size, self._settings.tp_size, page
-        )
+        try:
+            self._worker_side().register_kv_caches(
+                kv_caches, num_blocks, self._settings.block_size, self._settings.tp_size, page, latent
+            )
+        except LayoutError as e:
+            family = ", ".join(getattr(self._model.hf_config, "architectures", None) or ["?"])
+            raise LayoutError(
+                f"{family} ({'MLA' if latent else 'attention'} KV cache): {e}. {SUPPORTED_FAMILIES}"
+            ) from e
 
     if API.cross_layer_blocks:  # vLLM 0.26: one tensor for every layer, when asked for (settings.py)
 
@@ -211,7 +229,13 @@ class KVConnectConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]  # (b
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        return None  # any layout whose pages are contiguous (layout.py) works; vLLM's choice stands
+        """Heads outermost in a page ("HND", vLLM 0.32's LBHNC) unless the extra config says `kv_cache_layout:
+        "vllm"`: then a prefill and a decode of different TP sizes can exchange runs of whole heads (one
+        descriptor per block and layer), as NixlConnector asks too. MLA caches have no heads: vLLM's choice."""
+        model = getattr(vllm_config, "model_config", None)
+        if model is None or getattr(model, "use_mla", False):
+            return None
+        return required_layout(vllm_config)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectStats | None:

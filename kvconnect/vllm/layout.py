@@ -18,6 +18,18 @@ own engine) hand 5-D tensors per layer: `(B, 2, N, H, D)` (or physically `(B, 2,
 or per-layer views of one `(B, L, 2, N, H, D)` buffer. Those are kvconnect's own layouts (blocks_first,
 kv_first, cross_layer), so their spec carries no page format and every plan (K/V halves, heads) applies.
 
+MLA models (DeepSeek, Kimi, GLM) cache one latent vector per token and layer, shared by every head: vLLM
+hands `(B, N, C)` per layer on the GPU (0.26) or `[B, 1, N, C]` (0.32), C = kv_lora_rank + rope dims (576
+for DeepSeek-V3). `describe(..., latent=True)` reads them as pages of one "head" (no K/V halves, nothing to
+split by heads), so every tensor-parallel rank holds the whole latent: the head planning's replication
+(one copy read, the others released) applies as it is.
+
+Kernel blocks: a backend may split a scheduler block of `block_size` tokens into `k` kernel blocks (the
+tensors then have `k * num_blocks` blocks of `block_size / k` tokens). One scheduler block is then `k`
+consecutive pages: one run, moved whole. With tokens outer in the page (NHD) that run is exactly a page of
+`block_size` tokens; with heads outer it is not (`k` runs of heads), so the page format names the kernel
+block size and such pages pair only with the same split and tensor-parallel size.
+
 Anything else (pages split by another dimension, padded pages, layers that are not evenly spaced,
 mixed dtypes or shapes) is refused with a `LayoutError` saying which and why. The page's interior is
 the engine's business: `CacheSpec.page` names it, and two peers exchange pages only when their names
@@ -61,17 +73,27 @@ def describe(
     tp_rank: int,
     total_kv_heads: int,
     page: str,
+    latent: bool = False,
 ) -> Described:
-    """A kvconnect cache over vLLM's tensors (no copy): the spec and byte views of its regions."""
+    """A kvconnect cache over vLLM's tensors (no copy): the spec and byte views of its regions. `latent`: the
+    model is MLA (vLLM's `model_config.use_mla`), its tensors latent caches."""
     if not kv_caches:
         raise LayoutError("vLLM registered no KV cache tensors")
     names, views = _distinct(tuple(sorted(kv_caches, key=layer_order)), kv_caches)
+    if latent:
+        views = [_latent_view(name, t) for name, t in zip(names, views, strict=True)]
+        total_kv_heads = 1  # one latent per token, replicated on every tensor-parallel rank
     first = views[0]
     for name, t in zip(names, views, strict=True):
+        if t.dim() == 3:
+            raise LayoutError(
+                f"vLLM KV cache {name}: a 3-D tensor {tuple(t.shape)} is an MLA latent cache (blocks, tokens, "
+                "latent), but vLLM's model config does not say use_mla"
+            )
         if t.dim() not in (4, 5):
             raise LayoutError(
                 f"vLLM KV cache {name}: a {t.dim()}-D tensor {tuple(t.shape)}; expected [B, H, N, C] "
-                "(vLLM 0.32 per-layer views) or 5-D with K and V as a dimension of size 2"
+                "(vLLM 0.32 per-layer views), 5-D with K and V as a dimension of size 2, or an MLA latent cache"
             )
         if (t.shape, t.dtype, t.device, t.stride()) != (first.shape, first.dtype, first.device, first.stride()):
             raise LayoutError(
@@ -93,21 +115,24 @@ def describe(
     nb, heads, tokens, content = first.shape
     isz = first.element_size()
     s_block, s_head, s_token, s_content = (s * isz for s in first.stride())
+    if latent:  # (one "head": its stride means nothing; a latent page is tokens outer)
+        s_head = content * isz
     where = f"vLLM KV cache [B, H, N, C] = {tuple(first.shape)}, byte strides {(s_block, s_head, s_token, s_content)}"
-    if nb != num_blocks:
+    split = nb // num_blocks if nb % num_blocks == 0 else 0  # kernel blocks per scheduler block
+    if not split or tokens * split != block_size:
         raise LayoutError(
-            f"{where}: {nb} kernel blocks for {num_blocks} scheduler blocks (a kernel block size "
-            f"other than the block size); kvconnect needs one kernel block per block"
+            f"{where}: {nb} kernel blocks of {tokens} tokens for {num_blocks} scheduler blocks of {block_size} "
+            "tokens; kvconnect needs the kernel block size to divide the block size"
         )
-    if tokens != block_size:
-        raise LayoutError(f"{where}: {tokens} tokens per kernel block, but the block size is {block_size}")
     if s_content != isz:
         raise LayoutError(f"{where}: the content dimension is not contiguous")
     if content % 2:
-        raise LayoutError(
-            f"{where}: {content} content elements per (head, token) is not K + V of one head size "
-            "(MLA caches are not supported)"
+        what = (
+            "latent values per token (kvconnect moves latent caches of an even width)"
+            if latent
+            else ("content elements per (head, token) is not K + V of one head size")
         )
+        raise LayoutError(f"{where}: {content} {what}")
     heads_outer = s_head > s_token
     inner, outer = ((s_token, tokens), (s_head, heads)) if heads_outer else ((s_head, heads), (s_token, tokens))
     page_bytes = heads * tokens * content * isz
@@ -118,6 +143,16 @@ def describe(
         )
     bases = [int(t.data_ptr()) for t in views]
     num_layers = len(views)
+    if split > 1 and s_block != page_bytes:
+        raise LayoutError(
+            f"{where}: {split} kernel blocks per block with blocks {s_block} bytes apart: a block is one run "
+            "only when kernel blocks are one page apart (a per-layer layout, not block-outermost)"
+        )
+    if split > 1:
+        if heads_outer and heads > 1:  # k runs of heads per block: no longer one run of heads per block
+            page = f"{page}/kernel-block-{tokens}"
+            heads_outer = False
+        nb, tokens, page_bytes, s_block = num_blocks, block_size, page_bytes * split, page_bytes * split
     if s_block == page_bytes:
         kind, order = LayoutKind.BLOCKS_FIRST, "LB"
     elif s_block == num_layers * page_bytes and all(b == bases[0] + i * page_bytes for i, b in enumerate(bases)):
@@ -148,7 +183,24 @@ def describe(
         regions = [_bytes(first, shape, s_block)]
     else:
         regions = [_bytes(t, shape, s_block) for t in views]
-    return Described(KVCache.from_tensors(spec, regions), names, order + ("HNC" if heads_outer else "NHC"))
+    page_order = "NC (MLA latent)" if latent else ("HNC" if heads_outer else "NHC")
+    kernel = f", {split} kernel blocks per block" if split > 1 else ""
+    return Described(KVCache.from_tensors(spec, regions), names, order + page_order + kernel)
+
+
+def _latent_view(name: str, t: torch.Tensor) -> torch.Tensor:
+    """An MLA latent cache as `[B, 1, N, C]`: vLLM 0.26's `(B, N, C)` gains a one-"head" dimension (a view);
+    vLLM 0.32's `[B, 1, N, C]` is kept."""
+    if t.dim() == 4 and t.shape[1] == 1:
+        return t
+    if t.dim() != 3:
+        raise LayoutError(
+            f"vLLM KV cache {name}: a {t.dim()}-D tensor {tuple(t.shape)} for an MLA model; expected its latent "
+            "cache (blocks, tokens, latent) or [blocks, 1, tokens, latent]"
+        )
+    b, n, c = t.shape
+    sb, sn, sc = t.stride()
+    return torch.as_strided(t, (b, 1, n, c), (sb, c * sc, sn, sc), t.storage_offset())  # (as 0.32 strides it)
 
 
 def _distinct(

@@ -7,7 +7,14 @@ them is refused by name. What vLLM already decides is taken from vLLM and cannot
 (`kv_transfer_config.engine_id`, shared by the scheduler and every worker of an engine) and the failure
 policy (`kv_transfer_config.kv_load_failure_policy`: vLLM's own recompute or fail). `side_channel_port`
 is the TP group's base port: worker rank r listens on base + r; 0 (the default) picks a free port,
-allowed only without tensor parallelism.
+allowed only without tensor parallelism. With data parallelism each DP rank is an engine of its own (vLLM
+appends `_dp<rank>` to its engine id) and its TP group's base is `side_channel_port + dp_rank * tp_size`.
+
+Plug-in keys (not `ConnectorConfig` fields): `cross_layer_blocks` (vLLM 0.26: one tensor for every layer)
+and `kv_cache_layout`: "HND" (default) asks vLLM for pages with heads outermost, so that a prefill and a
+decode of different TP sizes exchange runs of whole heads, or "vllm" to keep the attention backend's choice
+(then only equal TP sizes pair on the GPU). NixlConnector's keys and variables are read as `nixl_compat.py`
+says.
 
 `lease_grace_s` defaults to `LEASE_GRACE_S` here (not 0): the scheduler returns a request's params before
 its workers grant the lease (they do so when the next step's orders are bound, which can be a forward
@@ -17,17 +24,21 @@ later), so decodes are told to ask again about a lease not granted yet. vLLM hol
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
 from kvconnect.core.config import ConnectorConfig, connector_config, env_overrides
 from kvconnect.core.errors import ConfigError
+from kvconnect.vllm.nixl_compat import side_channel_fallback, translate_keys
 
 log = logging.getLogger(__name__)
 
 DECIDED_BY_VLLM = ("engine_id", "failure_policy")
-PLUGIN_ONLY = "cross_layer_blocks"  # an extra-config key of the plug-in's own, not a ConnectorConfig field
+PLUGIN_ONLY = ("cross_layer_blocks", "kv_cache_layout")  # extra-config keys of the plug-in's own
+LAYOUTS = ("HND", "vllm")  # kv_cache_layout
 LEASE_GRACE_S = 10.0  # how long after request_finished a lease may still be granted (one engine step, or two)
 
 
@@ -43,19 +54,36 @@ class VllmSettings(msgspec.Struct, frozen=True):
     cross_layer_blocks: bool = False
 
 
-def read_settings(vllm_config: Any) -> VllmSettings:
+def required_layout(vllm_config: Any) -> str | None:
+    """The KV cache layout the plug-in asks vLLM for: "HND" unless `kv_cache_layout` is "vllm" (None)."""
+    kvt = getattr(vllm_config, "kv_transfer_config", None)
+    extra = dict(getattr(kvt, "kv_connector_extra_config", None) or {})
+    layout = extra.get("kv_cache_layout", "HND")
+    if layout not in LAYOUTS:
+        raise ConfigError(f"kv_connector_extra_config.kv_cache_layout must be one of {list(LAYOUTS)}, got {layout!r}")
+    return None if layout == "vllm" else layout
+
+
+def read_settings(vllm_config: Any, environ: Mapping[str, str] | None = None) -> VllmSettings:
     """Settings of the engine `vllm_config` describes; ConfigError names a bad key or value."""
     kvt = vllm_config.kv_transfer_config
-    extra = dict(kvt.kv_connector_extra_config or {})
-    cross = extra.pop(PLUGIN_ONLY, False)
+    extra, notes = translate_keys(kvt.kv_connector_extra_config or {})
+    cross = extra.pop(PLUGIN_ONLY[0], False)
     if not isinstance(cross, bool) and str(cross).lower() not in ("true", "false", "1", "0"):
-        raise ConfigError(f"kv_connector_extra_config.{PLUGIN_ONLY} must be true or false, got {cross!r}")
+        raise ConfigError(f"kv_connector_extra_config.{PLUGIN_ONLY[0]} must be true or false, got {cross!r}")
+    required_layout(vllm_config)  # (checks the value)
+    extra.pop(PLUGIN_ONLY[1], None)
     fields = set(ConnectorConfig.__struct_fields__)
     unknown = sorted(set(extra) - fields)
     if unknown:
         raise ConfigError(
-            f"kv_connector_extra_config: unknown key(s) {unknown}; allowed: {sorted(fields | {PLUGIN_ONLY})}"
+            f"kv_connector_extra_config: unknown key(s) {unknown}; allowed: {sorted(fields | set(PLUGIN_ONLY))}"
         )
+    env = os.environ if environ is None else environ
+    fallback, env_notes = side_channel_fallback(extra, env_overrides(env, tuple(fields)), env)
+    extra.update(fallback)
+    for note in notes + env_notes:
+        log.info("kvconnect: %s", note)
     decided = sorted(set(extra) & set(DECIDED_BY_VLLM))
     if decided:
         raise ConfigError(
@@ -71,9 +99,9 @@ def read_settings(vllm_config: Any) -> VllmSettings:
         raise ConfigError("kv_transfer_config.engine_id is empty")
     tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
     grace = (
-        {} if "lease_grace_s" in extra or env_overrides(None, ("lease_grace_s",)) else {"lease_grace_s": LEASE_GRACE_S}
+        {} if "lease_grace_s" in extra or env_overrides(env, ("lease_grace_s",)) else {"lease_grace_s": LEASE_GRACE_S}
     )
-    config = connector_config(None, **grace, **extra, engine_id=str(kvt.engine_id))
+    config = connector_config(env, **grace, **extra, engine_id=str(kvt.engine_id))
     if tp_size > 1 and config.side_channel_port == 0:
         raise ConfigError(
             f"tensor_parallel_size {tp_size}: set kv_connector_extra_config.side_channel_port (or "
@@ -85,7 +113,14 @@ def read_settings(vllm_config: Any) -> VllmSettings:
     return VllmSettings(config, tp_size, int(vllm_config.cache_config.block_size), str(kvt.kv_role), crossed)
 
 
-def rank_config(settings: VllmSettings, tp_rank: int) -> ConnectorConfig:
-    """The connector config of worker `tp_rank`: its own side-channel port."""
+def rank_config(settings: VllmSettings, tp_rank: int, dp_rank: int = 0) -> ConnectorConfig:
+    """The connector config of worker `tp_rank` of data-parallel rank `dp_rank`: its own side-channel port,
+    base + dp_rank * tp_size + tp_rank."""
     base = settings.config.side_channel_port
-    return msgspec.structs.replace(settings.config, side_channel_port=base + tp_rank if base else 0)
+    port = base + dp_rank * settings.tp_size + tp_rank if base else 0
+    if port > 65535:
+        raise ConfigError(
+            f"side_channel_port {base} + data-parallel rank {dp_rank} x tp_size {settings.tp_size} + rank {tp_rank} "
+            "leaves the port range"
+        )
+    return msgspec.structs.replace(settings.config, side_channel_port=port)

@@ -84,7 +84,13 @@ class WorkerSide:
         self._idle = False
 
     def register_kv_caches(
-        self, kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size: int, tp_size: int, page: str
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        num_blocks: int,
+        block_size: int,
+        tp_size: int,
+        page: str,
+        latent: bool = False,
     ) -> None:
         described = describe(
             kv_caches,
@@ -94,6 +100,7 @@ class WorkerSide:
             tp_rank=self._tp_rank,
             total_kv_heads=self._total_kv_heads,
             page=page,
+            latent=latent,
         )
         self.connector = KVConnector(
             described.cache,
