@@ -28,8 +28,8 @@ GEOMETRIES = {
     "oss-attn": (512, 8, 8, 36, 512, 2048, 8192, 0, 128),
     # DeepSeek-V3's latent (512 + 64 = 576 values per token and layer), 4 layers, dense MLP, small otherwise
     "tiny-mla": (256, 4, 4, 4, 512, 2048, 8192, 0, 0, 512, 64),
-    # DeepSeek-V3's KV cache shape: 61 layers of the 576-value latent (dense MLP: only the cache's shape matters)
-    "v3-mla": (512, 8, 8, 61, 512, 2048, 8192, 0, 0, 512, 64),
+    # DeepSeek-V3's KV cache shape: 61 layers of the 576-value latent, 128-value heads (dense MLP, 8 heads)
+    "v3-mla": (1024, 8, 8, 61, 512, 2048, 8192, 0, 0, 512, 64),  # (qk_nope = v_head = 128: what GPU MLA kernels take)
 }
 MARKER = "kvconnect-tiny-llama.json"
 
