@@ -22,6 +22,7 @@ GEOMETRIES = {
     # name: the test default (GQA, small) and a realistic KV geometry for benchmarks (8 KV heads x 128)
     "tiny": (256, 8, 4, 4, 512),  # hidden, heads, kv heads, layers, intermediate -> head_dim 32
     "kv8x128": (1024, 8, 8, 4, 1024),  # head_dim 128: one 32-token block is 128 KiB per layer in bf16
+    "llama8b-kv": (1024, 8, 8, 32, 1024),  # Llama-3-8B's KV cache (32 layers x 8 KV heads x 128), small otherwise
     "tiny-swa": (256, 8, 4, 4, 512, 2048, 8192, 0, 64),  # Gemma 3 style: window of 64 tokens on layers 0 and 2
     # gpt-oss-120b's attention (36 layers alternating a 128-token window and full attention, 8 KV heads x 64),
     # dense and small otherwise: only the KV cache's shape matters to a transfer
