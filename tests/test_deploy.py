@@ -566,13 +566,16 @@ def test_llm_d_overlay_puts_llm_ds_pd_sidecar_in_front_of_the_vllm_decode() -> N
     (sidecar,) = decode["spec"]["initContainers"]
     (vllm,) = decode["spec"]["containers"]
     assert sidecar["restartPolicy"] == "Always", "a native sidecar: it runs beside vLLM for the pod's life"
-    assert option(sidecar["args"], "--connector") == "nixlv2"  # llm-d's kv_transfer_params wire
+    assert option(sidecar["args"], "--kv-connector") == "nixlv2"  # llm-d's kv_transfer_params wire
+    assert option(sidecar["args"], "--enable-ssrf-protection") == "true"  # x-prefiller-host-port: pool pods only
+    assert {e["name"]: e["value"] for e in sidecar["env"]}["INFERENCE_POOL"]  # (the pool SSRF protection allows)
+    assert "--secure-serving=false" not in sidecar["args"]  # TLS serving, the sidecar's default, stays on
     assert sidecar["image"].rsplit(":", 1)[-1] not in ("", "latest") and sidecar["image"] != vllm["image"]
     env = container_env(vllm, configmaps)
     argv = [expand(a, env, "kvconnect-decode") for a in [*vllm["command"], *vllm["args"]]]
     vllm_port = int(option(argv, "--port"))
     sidecar_port = int(option(sidecar["args"], "--port"))
-    assert int(option(sidecar["args"], "--vllm-port")) == vllm_port != sidecar_port
+    assert int(option(sidecar["args"], "--model-server-port")) == vllm_port != sidecar_port
     assert [p["containerPort"] for p in vllm["ports"] if p["name"] == "http"] == [vllm_port]
     assert [p["containerPort"] for p in sidecar["ports"]] == [sidecar_port]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -994,3 +997,25 @@ def test_vllm_cpu_image_build_steps_in_a_fresh_venv(replayed: dict[str, Any]) ->
             cwd=image_root,
         )
         assert out.returncode == 0, f"{words}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+
+
+def test_llm_d_overlay_passes_only_the_sidecars_current_flags_and_its_pool_selects_both_roles() -> None:
+    """The pd-sidecar stops at a flag it does not know: every flag the overlay passes is in the list recorded
+    from llm-d-router's options.go, and none is one it deprecated. The InferencePool values select the prefill
+    and decode pods by their labels and target the port requests enter each pod by."""
+    recorded = [
+        line.split() for line in (ROOT / "tests" / "data" / "llm-d-pd-sidecar-flags.txt").read_text().splitlines()
+    ]
+    flags = {f[0]: f[1:] for f in recorded if f and not f[0].startswith("#")}
+    docs = kustomize(DEPLOY / "overlays" / "llm-d")
+    deployments = by_kind(docs, "Deployment")
+    (sidecar,) = deployments["kvconnect-decode"]["spec"]["template"]["spec"]["initContainers"]
+    passed = [a.removeprefix("--").split("=", 1)[0] for a in sidecar["args"] if a.startswith("--")]
+    assert passed and all(name in flags for name in passed), [n for n in passed if n not in flags]
+    assert not [n for n in passed if flags[n] == ["deprecated"]]
+    values = yaml.safe_load((DEPLOY / "overlays" / "llm-d" / "inferencepool-values.yaml").read_text())
+    pool = values["inferencePool"]
+    for role in ("prefill", "decode"):
+        labels = deployments[f"kvconnect-{role}"]["spec"]["template"]["metadata"]["labels"]
+        assert pool["modelServers"]["matchLabels"].items() <= labels.items(), role
+    assert [p["number"] for p in pool["targetPorts"]] == [int(option(sidecar["args"], "--port"))]
