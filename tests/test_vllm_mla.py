@@ -174,3 +174,50 @@ def test_heads_outer_kernel_blocks_pair_only_with_the_same_split_and_odd_splits_
         describe(packed_views("BLNHC", 3, 8, 4, 16, 32)[0], **args)
     with pytest.raises(LayoutError, match="divide the block size"):
         describe(packed_views("LBNHC", 3, 12, 4, 16, 32)[0], **args)  # 3 kernel blocks of 16 for a block of 32
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
+def test_a_tp_group_of_latent_caches_is_read_once_per_decode_rank_and_every_lease_ends(
+    prefill_tp: int, decode_tp: int
+) -> None:
+    """Real NIXL, one process per prefill rank: every rank holds the whole latent (different bytes here, so a
+    read from the wrong rank shows). Each decode rank reads one replica, block for block; a prefill rank that
+    nobody reads is released by the decode at once, so no lease waits out its TTL."""
+    from kvconnect.core.prefill.record import new_lease_id
+    from kvconnect.harness.net import free_port_run
+    from tests.faultkit import poll_until
+
+    base = free_port_run(prefill_tp)
+    ranks = []
+    try:
+        for r in range(prefill_tp):
+            proc = PrefillProcess.launch(engine_id="mla-prefill", side_channel_port=base + r, lease_ttl_s=600)
+            ranks.append(proc)
+            proc.wait_started()
+            geometry = dict(
+                layers=3, blocks=16, heads=1, tokens=16, head_dim=WIDTH // 2, page=PAGE, tp=prefill_tp, rank=r
+            )
+            proc.setup_views("latent:3d", geometry, 20 + r, base + r)
+            proc.wait_setup()
+        lease_id = new_lease_id()
+        params = [proc.lease("mla-tp", [4, 9, 2], None, lease_id) for proc in ranks]
+        decodes = [latent("4d", blocks=16, tp=decode_tp, rank=d, seed=30 + d)[0] for d in range(decode_tp)]
+        conns = [KVConnector(d.cache, config_for_tests()) for d in decodes]
+        try:
+            handles = [conn.pull(params[0], [0, 1, 15]) for conn in conns]
+            stats = [h.wait(60) for h in handles]
+            for d, (dec, st) in enumerate(zip(decodes, stats, strict=True)):
+                assert st.num_blocks == 3 and st.bytes == 3 * dec.cache.spec.block_bytes, d
+                read = plan_sources(dec.cache.spec, prefill_tp).reads[0].rank
+                for lid, rid in zip([0, 1, 15], [4, 9, 2], strict=True):
+                    assert dec.cache.block_bytes(lid) == ranks[read].ask("block", rid), (d, read)
+            for r, proc in enumerate(ranks):  # read ranks complete, the others are released: none is left held
+                poll_until(lambda proc=proc: proc.ask("state", "mla-tp") != "held", timeout_s=30, what=f"rank {r} ends")
+                assert proc.ask("state", "mla-tp") in ("completed", "released"), r
+                assert proc.ask("freed") == [2, 4, 9], r
+        finally:
+            for conn in conns:
+                conn.close()
+    finally:
+        for proc in ranks:
+            proc.stop()

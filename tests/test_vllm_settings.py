@@ -179,3 +179,18 @@ def test_the_entry_point_registers_the_connector_by_name_once() -> None:
     assert register() is False  # (vLLM loads plugins in every process, maybe twice)
     kvt = KVTransferConfig(kv_connector="KVConnectConnector", kv_role="kv_both")
     assert KVConnectorFactory.get_connector_class(kvt) is KVConnectConnector
+
+
+def test_a_cache_the_plugin_cannot_move_is_refused_naming_the_model_family_and_what_is_supported() -> None:
+    from kvconnect.core.errors import LayoutError
+    from kvconnect.harness.vllm_shapes import packed_views
+    from kvconnect.vllm.connector import family_refusal
+    from kvconnect.vllm.layout import describe
+
+    model = type("M", (), {"hf_config": type("H", (), {"architectures": ["DeepseekV3ForCausalLM"]})()})()
+    views, _ = packed_views("LBNHC", 2, 8, 4, 16, 32)  # per-head pages where the model says MLA
+    with pytest.raises(LayoutError) as e:
+        describe(views, num_blocks=8, block_size=16, tp_size=1, tp_rank=0, total_kv_heads=4, page="p", latent=True)
+    message = str(family_refusal(e.value, model, latent=True))
+    assert message.startswith("DeepseekV3ForCausalLM (MLA latent KV cache): vLLM KV cache model.layers.0")
+    assert "MLA latent caches (DeepSeek, Kimi, GLM)" in message and "Mamba" in message

@@ -101,7 +101,8 @@ class _Server:
 
     def setup_views(self, shape: str, geometry: dict[str, Any], seed: int, port: int) -> tuple[int, str]:
         """Like `setup`, over tensors shaped as vLLM's backends allocate them (`vllm_shapes.make_views`),
-        registered through the vLLM plug-in's `describe`."""
+        registered through the vLLM plug-in's `describe` (`geometry`: layers, blocks, heads per rank, tokens,
+        head_dim, and optionally page, tp and rank)."""
         from kvconnect.harness.vllm_shapes import make_views
         from kvconnect.vllm.layout import describe
 
@@ -114,9 +115,9 @@ class _Server:
             views,
             num_blocks=g["blocks"],
             block_size=g["tokens"],
-            tp_size=1,
-            tp_rank=0,
-            total_kv_heads=g["heads"],
+            tp_size=int(g.get("tp", 1)),
+            tp_rank=int(g.get("rank", 0)),
+            total_kv_heads=g["heads"] * int(g.get("tp", 1)),
             page=str(g.get("page", "vllm:cuda")),
             latent=shape.startswith("latent:"),
         ).cache

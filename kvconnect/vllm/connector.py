@@ -63,6 +63,13 @@ SUPPORTED_FAMILIES = (
 )
 
 
+def family_refusal(error: LayoutError, model: Any, latent: bool) -> LayoutError:
+    """`error` (a cache the plug-in cannot describe) naming the model's architecture and what is supported."""
+    family = ", ".join(getattr(getattr(model, "hf_config", None), "architectures", None) or ["?"])
+    kind = "MLA latent" if latent else "attention"
+    return LayoutError(f"{family} ({kind} KV cache): {error}. {SUPPORTED_FAMILIES}")
+
+
 def _page_format(vllm_config: VllmConfig, dtype: torch.dtype, head_size: int, latent: bool) -> str:
     """Names what one page holds inside, so that only peers with the same format exchange pages (the CPU
     attention backend lays a page out per instruction set; every MLA backend keeps a token's latent as one
@@ -139,10 +146,7 @@ class KVConnectConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]  # (b
                 kv_caches, num_blocks, self._settings.block_size, self._settings.tp_size, page, latent
             )
         except LayoutError as e:
-            family = ", ".join(getattr(self._model.hf_config, "architectures", None) or ["?"])
-            raise LayoutError(
-                f"{family} ({'MLA' if latent else 'attention'} KV cache): {e}. {SUPPORTED_FAMILIES}"
-            ) from e
+            raise family_refusal(e, self._model, latent) from e
 
     if API.cross_layer_blocks:  # vLLM 0.26: one tensor for every layer, when asked for (settings.py)
 
