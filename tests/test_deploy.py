@@ -1039,3 +1039,53 @@ def test_the_vllm_gpu_image_adds_kvconnect_to_a_pinned_vllm_image_and_checks_its
     (run,) = [c.value[0] for c in commands if c.cmd == "RUN"]
     assert "pip install" in run and "vllm.general_plugins" in run and "'kvconnect'" in run
     assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")
+
+
+def _allowed(policies: list[dict[str, Any]], pod_labels: dict[str, str], port: int, src: dict[str, str]) -> bool:
+    """Whether `src` (a pod's labels, same namespace or any) may reach `port` on a pod with `pod_labels`."""
+
+    def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+        if not selector:
+            return True
+        ok = all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+        for e in selector.get("matchExpressions", []):
+            assert e["operator"] == "In", e
+            ok = ok and labels.get(e["key"]) in e["values"]
+        return ok
+
+    for p in policies:
+        if not selects(p["spec"]["podSelector"], pod_labels):
+            continue
+        for rule in p["spec"].get("ingress", []):
+            ports = rule.get("ports", [])
+            port_ok = not ports or any(x["port"] <= port <= x.get("endPort", x["port"]) for x in ports)
+            from_ok = any(selects(peer.get("podSelector", {}), src) for peer in rule.get("from", []))
+            if port_ok and from_ok:
+                return True
+    return False
+
+
+def test_llm_d_overlay_locks_the_pd_pods_down_with_network_policies() -> None:
+    """Side channels and NIXL's ports between P and D pods only; the serving port from labelled clients; the
+    decode's model-server port from nobody but labelled scrapers (its sidecar uses the pod's loopback)."""
+    docs = kustomize(DEPLOY / "overlays" / "llm-d")
+    k8s_validate(docs)
+    policies = list(by_kind(docs, "NetworkPolicy").values())
+    assert policies and all(p["spec"]["policyTypes"] == ["Ingress"] for p in policies)
+    deployments, configmaps = by_kind(docs, "Deployment"), by_kind(docs, "ConfigMap")
+    labels = {r: deployments[f"kvconnect-{r}"]["spec"]["template"]["metadata"]["labels"] for r in ("prefill", "decode")}
+    (vllm,) = deployments["kvconnect-decode"]["spec"]["template"]["spec"]["containers"]
+    env = container_env(vllm, configmaps)
+    side, model_server = int(env["KVCONNECT_SIDE_CHANNEL_PORT"]), int(env["KVCONNECT_PORT"])
+    stranger, client, scraper = {"app": "x"}, {"kvconnect.io/client": "true"}, {"kvconnect.io/scraper": "true"}
+    for role, peer in (("prefill", "decode"), ("decode", "prefill")):
+        for port in (side, side + 7, 40000):  # side channels of a TP group, a UCX port
+            assert _allowed(policies, labels[role], port, labels[peer]), (role, port)
+            assert not _allowed(policies, labels[role], port, stranger), (role, port)
+            assert not _allowed(policies, labels[role], port, client), (role, port)
+        assert _allowed(policies, labels[role], 8000, client) and not _allowed(policies, labels[role], 8000, stranger)
+    assert _allowed(policies, labels["prefill"], 8000, labels["decode"])  # the sidecar's prefill leg
+    assert model_server == 8200
+    for src in (labels["prefill"], labels["decode"], client, stranger):
+        assert not _allowed(policies, labels["decode"], model_server, src), src
+    assert _allowed(policies, labels["decode"], model_server, scraper)
