@@ -610,22 +610,31 @@ def test_vllm_model_path_moves_the_mount(kustomization: str, tmp_path: Path) -> 
 
 @pytest.mark.parametrize("kustomization", [*KUSTOMIZATIONS, *VLLM_KUSTOMIZATIONS, "overlays/llm-d"])
 def test_side_channel_secret_is_required(kustomization: str) -> None:
-    """Every container whose side channel binds off loopback, and the proxy, read KVCONNECT_SECRET from the
-    same Secret key, and the reference is not optional: without the Secret the pods do not start (instead of
-    running unauthenticated). docker/README.md's section creates exactly that Secret and key."""
+    """Every container whose side channel binds off loopback, and the proxy, read the secret from a file
+    (KVCONNECT_SECRET_FILE) mounted read-only from the same Secret key, never from an environment variable, and
+    the volume is not optional: without the Secret the pods do not start (instead of running unauthenticated).
+    docker/README.md's section creates exactly that Secret and key."""
     docs = kustomize(DEPLOY / kustomization)
     configmaps = by_kind(docs, "ConfigMap")
     refs = set()
     for name, d in by_kind(docs, "Deployment").items():
-        for c in d["spec"]["template"]["spec"]["containers"]:
+        pod = d["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for c in pod["containers"]:
             env = container_env(c, configmaps)
             host = env.get("KVCONNECT_SIDE_CHANNEL_HOST")
             if c["args"] != ["proxy"] and (host is None or host in LOOPBACK):
                 continue
-            ref = (env.get("KVCONNECT_SECRET") or {}).get("secretKeyRef")
-            assert ref, f"{kustomization} {name}/{c['name']}: no KVCONNECT_SECRET from a Secret"
-            assert ref.get("optional") is not True, f"{name}: an optional Secret means no authentication"
-            refs.add((ref["name"], ref["key"]))
+            assert "KVCONNECT_SECRET" not in env, f"{name}: the secret in an environment variable"
+            path = env.get("KVCONNECT_SECRET_FILE")
+            assert isinstance(path, str), f"{kustomization} {name}/{c['name']}: no KVCONNECT_SECRET_FILE"
+            (mount,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")]
+            assert mount.get("readOnly") is True, name
+            secret = volumes[mount["name"]]["secret"]
+            assert secret.get("optional") is not True, f"{name}: an optional Secret means no authentication"
+            (item,) = [i for i in secret["items"] if path == mount["mountPath"].rstrip("/") + "/" + i["path"]]
+            assert secret["defaultMode"] & 0o077 in (0o040, 0o000), f"{name}: the secret file is world-readable"
+            refs.add((secret["secretName"], item["key"]))
     assert len(refs) == 1, f"prefill, decode and proxy must share one secret: {refs}"
     ((secret_name, key),) = refs
     section = readme_section(SECRET_SECTION)
