@@ -1098,3 +1098,18 @@ def test_llm_d_overlay_locks_the_pd_pods_down_with_network_policies() -> None:
     for src in (labels["prefill"], labels["decode"], client, stranger):
         assert not _allowed(policies, labels["decode"], model_server, src), src
     assert _allowed(policies, labels["decode"], model_server, scraper)
+
+
+def test_llm_d_overlay_takes_llm_ds_engine_settings() -> None:
+    """What llm-d's P/D guide gives its vLLM pods: UCX free to pick RDMA (no TCP-only transport list), a vLLM
+    keep-alive longer than the sidecar's 90 s idle connections, 20 Gi of /dev/shm."""
+    docs = kustomize(DEPLOY / "overlays" / "llm-d")
+    configmaps = by_kind(docs, "ConfigMap")
+    for name, d in by_kind(docs, "Deployment").items():
+        pod = d["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        env = container_env(c, configmaps)
+        assert env["UCX_TLS"] == "all", name  # (a TCP-only list would send KV between nodes over TCP)
+        assert int(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]) > 90, name
+        (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "20Gi"}, name
