@@ -39,6 +39,7 @@ class PullOrder:
     num_local_hit_tokens: int  # prompt tokens the local prefix cache holds (block aligned)
     refused: tuple[str, str] | None = None  # (field, reason): the worker fails the load naming them
     prompt_digest: bytes = b""  # of the prompt this decode serves: a lease bound to another refuses the read
+    arrival_time: float = 0.0  # wall clock when the request reached this vLLM (its timeline starts there)
 
 
 @dataclass

@@ -129,6 +129,7 @@ class SchedulerSide:
                     request.num_prompt_tokens - num_external_tokens,
                     refused,
                     _prompt_digest(request),
+                    float(getattr(request, "arrival_time", 0.0) or 0.0),
                 )
             )
         elif parsed is not None:  # the local prefix cache holds the whole prompt: nothing to read

@@ -21,6 +21,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 SERIES = ("pull_s", "xfer_s", "post_s", "bytes", "num_descs", "digest_s")  # per successful pull (digest_s: checked)
+# a successful pull's timeline at the decode, in consecutive stages that add up to arrival -> reported:
+# the request reached vLLM -> the worker asked for the pull -> the READ was posted -> it completed -> the lease
+# was confirmed (blocks usable) -> vLLM was told (its next get_finished / get_transfer_results)
+STAGES = ("arrival_to_pull_s", "pull_to_post_s", "read_s", "read_to_usable_s", "usable_to_reported_s")
 COUNTS = ("failed", "leases_ended")  # {label: count}
 
 
@@ -38,7 +42,23 @@ def failure_reason(error: Exception) -> str:
 
 
 def _empty() -> dict[str, Any]:
-    return {**{k: [] for k in SERIES}, **{k: {} for k in COUNTS}}
+    return {**{k: [] for k in (*SERIES, *STAGES)}, **{k: {} for k in COUNTS}}
+
+
+def timeline(arrival: float, requested: float, stats: Any, usable: float, reported: float) -> dict[str, float]:
+    """One pull's stages (seconds, `STAGES`) from wall-clock instants: the request's arrival at vLLM (0: not
+    known, the first stage is then left out), the worker's pull request, the pull's end and its report to vLLM;
+    the middle stages from its `PullStats`."""
+    read, confirm = stats.transfer_s, stats.confirm_s
+    out = {
+        "pull_to_post_s": max(stats.total_s - read - confirm, 0.0),
+        "read_s": read,
+        "read_to_usable_s": confirm,
+        "usable_to_reported_s": max(reported - usable, 0.0),
+    }
+    if arrival > 0:
+        out = {"arrival_to_pull_s": max(requested - arrival, 0.0), **out}
+    return out
 
 
 @dataclass
@@ -62,6 +82,10 @@ class KVConnectStats(KVConnectorStats):
         if stats.digest_s > 0:  # its blocks' content was checked against the prefill's (kv_digest)
             self.data["digest_s"].append(stats.digest_s)
 
+    def record_timeline(self, stages: dict[str, float]) -> None:
+        for key, value in stages.items():
+            self.data[key].append(value)
+
     def count(self, what: str, label: str) -> None:
         bucket = self.data[what]
         bucket[label] = bucket.get(label, 0) + 1
@@ -70,7 +94,7 @@ class KVConnectStats(KVConnectorStats):
         self.data = _empty()
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectStats:
-        for key in SERIES:
+        for key in (*SERIES, *STAGES):
             self.data[key].extend(other.data.get(key, []))
         for key in COUNTS:
             for label, n in other.data.get(key, {}).items():
@@ -164,6 +188,22 @@ class KVConnectPromMetrics(KVConnectorPromMetrics):
                 )
             ),
         }
+        stage_doc = {
+            "arrival_to_pull_s": ("arrival_to_pull", "request reached vLLM -> its pull was asked for (scheduling)"),
+            "pull_to_post_s": ("pull_to_post", "pull asked for -> READ posted (queue, first contact, pin, plan)"),
+            "read_s": ("read", "READ posted -> complete"),
+            "read_to_usable_s": ("read_to_usable", "READ complete -> lease confirmed, blocks usable"),
+            "usable_to_reported_s": ("usable_to_reported", "blocks usable -> vLLM told (its next step)"),
+        }
+        for key, (name, doc) in stage_doc.items():
+            self.series[key] = per_engine(
+                hist(
+                    name=f"vllm:kvconnect_{name}_seconds",
+                    buckets=_TIME_BUCKETS,
+                    documentation=f"kvconnect, a pull's timeline: {doc}",
+                    labelnames=labelnames,
+                )
+            )
         self.failed = counter(
             name="vllm:kvconnect_num_failed_pulls",
             labelnames=[*labelnames, "reason"],

@@ -39,7 +39,7 @@ from kvconnect.core.wire.lease_client import release_after_failure
 from kvconnect.core.wire.protocol import LeaseState
 from kvconnect.vllm.layout import describe
 from kvconnect.vllm.metadata import PullOrder, StepOrders, WorkerHello
-from kvconnect.vllm.stats import KVConnectStats, failure_reason
+from kvconnect.vllm.stats import KVConnectStats, failure_reason, timeline
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ class _Load:
     params: KVTransferParams | None
     handle: PullHandle | None  # None: refused before it started (error set)
     error: KVConnectError | None = None
+    requested_at: float = 0.0  # wall clock: the worker asked for the pull
 
 
 class WorkerSide:
@@ -81,6 +82,7 @@ class WorkerSide:
         self._seen_finished: set[str] = set()  # ... of which vLLM already told us they finished
         self._stats = KVConnectStats()
         self._changed = threading.Event()  # set when a lease ends or a pull finishes
+        self._usable_at: dict[str, float] = {}  # request -> wall clock its pull became usable (loop thread)
         self._idle = False
 
     def register_kv_caches(
@@ -167,7 +169,7 @@ class WorkerSide:
         self._require().release_remote(params)
 
     def _start(self, order: PullOrder) -> None:
-        load = _Load(order, None, None)
+        load = _Load(order, None, None, requested_at=time.time())
         self._loads[order.request_id] = load
         try:
             if order.params is None or order.refused is not None:
@@ -239,6 +241,7 @@ class WorkerSide:
                 continue  # an abandoned READ may still write into these blocks
             del self._loads[rid]
             recving.add(rid)
+            self._report_timeline(load)
             if load.error is not None:
                 failed.add(rid)
                 if len(load.order.local_block_ids) == 1 or not self._failed_requests:
@@ -261,10 +264,36 @@ class WorkerSide:
             out, self._stats = self._stats, KVConnectStats()
         return out
 
+    def _report_timeline(self, load: _Load) -> None:
+        """The pull's stages into the stats, and one DEBUG line (ms from the request's arrival at vLLM)."""
+        with self._lock:
+            usable = self._usable_at.pop(load.order.request_id, 0.0)
+        if load.error is not None or load.handle is None or not usable:
+            return
+        stats, now, arrival = load.handle.stats, time.time(), load.order.arrival_time
+        stages = timeline(arrival, load.requested_at, stats, usable, now)
+        with self._lock:
+            self._stats.record_timeline(stages)
+        if log.isEnabledFor(logging.DEBUG):
+            start = arrival or load.requested_at
+            marks, t = [], load.requested_at - start
+            for name, key in (("posted", "pull_to_post_s"), ("read", "read_s"), ("usable", "read_to_usable_s")):
+                t += stages[key]
+                marks.append(f"{name} {1e3 * t:.2f}")
+            log.debug(
+                "kvconnect: request %s timeline, ms from %s: pull %.2f, %s, reported %.2f",
+                load.order.request_id,
+                "arrival" if arrival else "the pull",
+                1e3 * (load.requested_at - start),
+                ", ".join(marks),
+                1e3 * (now - start),
+            )
+
     def _pull_done(self, stats: PullStats, error: KVConnectError | None) -> None:  # (loop thread)
         if error is None:
             with self._lock:
                 self._stats.record_pull(stats)
+                self._usable_at[stats.request_id] = time.time()
         self._changed.set()
 
     def _lease_ended(self, request_id: str, state: LeaseState) -> None:  # (loop thread, or this one)

