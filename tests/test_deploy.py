@@ -44,6 +44,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from kvconnect.core.allowlist import parse_allowlist
 from kvconnect.core.config import ConnectorConfig
 from kvconnect.harness.net import free_port
 from tests.image_build import (
@@ -1102,7 +1103,8 @@ def test_llm_d_overlay_locks_the_pd_pods_down_with_network_policies() -> None:
 
 def test_llm_d_overlay_takes_llm_ds_engine_settings() -> None:
     """What llm-d's P/D guide gives its vLLM pods: UCX free to pick RDMA (no TCP-only transport list), a vLLM
-    keep-alive longer than the sidecar's 90 s idle connections, 20 Gi of /dev/shm."""
+    keep-alive longer than the sidecar's 90 s idle connections, 20 Gi of /dev/shm, its probes; and a peer
+    allow-list of private networks."""
     docs = kustomize(DEPLOY / "overlays" / "llm-d")
     configmaps = by_kind(docs, "ConfigMap")
     for name, d in by_kind(docs, "Deployment").items():
@@ -1113,3 +1115,8 @@ def test_llm_d_overlay_takes_llm_ds_engine_settings() -> None:
         assert int(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]) > 90, name
         (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
         assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "20Gi"}, name
+        assert c["readinessProbe"]["httpGet"]["path"] == c["startupProbe"]["httpGet"]["path"] == "/v1/models", name
+        assert c["livenessProbe"]["httpGet"]["path"] == "/health", name
+        # a decode dials only private networks, whatever host a (forged) params names
+        allow = parse_allowlist(env["KVCONNECT_PEER_ALLOWLIST"])
+        assert allow.allows("10.244.1.7") and allow.allows("fd00::12") and not allow.allows("8.8.8.8"), name
