@@ -140,6 +140,13 @@ def main() -> None:
                 "kvc_xfer_ms": 1e3 * moved["kvc"].get("xfer_time_seconds_sum", 0),
                 "kvc_usable_ms": 1e3 * moved["kvc"].get("pull_time_seconds_sum", 0),
                 "kvc_digests": moved["kvc"].get("digest_time_seconds_count", 0),
+                # the pull's timeline at the decode (ms): arrival -> pull -> posted -> read -> usable -> reported
+                "kvc_stages_ms": {
+                    stage: round(1e3 * moved["kvc"].get(f"{stage}_seconds_sum", 0), 3)
+                    for stage in ("arrival_to_pull", "pull_to_post", "read", "read_to_usable", "usable_to_reported")
+                },
+                "kvc_ttft_ms": round(1e3 * (kvc["ttft_s"] or 0), 1),
+                "nixl_ttft_ms": round(1e3 * (nixl["ttft_s"] or 0), 1),
                 "nixl_bytes": moved["nixl"].get("bytes_transferred_sum", 0),
                 "nixl_descs": moved["nixl"].get("num_descriptors_sum", 0),
                 "nixl_xfer_ms": 1e3 * moved["nixl"].get("xfer_time_seconds_sum", 0),
