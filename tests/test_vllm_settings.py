@@ -146,6 +146,11 @@ def test_each_data_parallel_rank_gets_its_own_run_of_ports_after_the_lower_ranks
     with pytest.raises(ConfigError, match="data-parallel rank 5000"):
         rank_config(read_settings(Tp2({"side_channel_port": 60000})), 1, 5000)
     assert rank_config(read_settings(Cfg({})), 0, 3).side_channel_port == 0  # (0: a free port per rank)
+    from kvconnect.vllm.settings import data_parallel_index
+
+    assert data_parallel_index(type("P", (), {"data_parallel_index": 2, "data_parallel_rank": 2})()) == 2
+    assert data_parallel_index(type("P", (), {"data_parallel_rank": 3})()) == 3  # (a vLLM without the index)
+    assert data_parallel_index(type("P", (), {})()) == 0
 
 
 def test_the_plugin_asks_vllm_for_heads_outermost_pages_unless_told_or_mla() -> None:

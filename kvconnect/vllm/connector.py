@@ -37,7 +37,7 @@ from kvconnect.vllm.groups import group_moves
 from kvconnect.vllm.layout import cross_layer_views
 from kvconnect.vllm.metadata import StepOrders
 from kvconnect.vllm.scheduler import SchedulerSide
-from kvconnect.vllm.settings import rank_config, read_settings, required_layout
+from kvconnect.vllm.settings import data_parallel_index, rank_config, read_settings, required_layout
 from kvconnect.vllm.stats import KVConnectPromMetrics, KVConnectStats
 from kvconnect.vllm.worker import WorkerSide
 
@@ -123,7 +123,7 @@ class KVConnectConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]  # (b
             rank = get_tensor_model_parallel_rank()
             model = vllm_config.model_config
             self._worker = WorkerSide(
-                rank_config(self._settings, rank, int(getattr(vllm_config.parallel_config, "data_parallel_index", 0))),
+                rank_config(self._settings, rank, data_parallel_index(vllm_config.parallel_config)),
                 rank,
                 1 if getattr(model, "use_mla", False) else model.get_total_num_kv_heads(),
                 failed_requests=API.transfer_results,

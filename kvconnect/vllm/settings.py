@@ -113,6 +113,16 @@ def read_settings(vllm_config: Any, environ: Mapping[str, str] | None = None) ->
     return VllmSettings(config, tp_size, int(vllm_config.cache_config.block_size), str(kvt.kv_role), crossed)
 
 
+def data_parallel_index(parallel_config: Any) -> int:
+    """This engine's data-parallel rank, as NixlConnector offsets its port by it (`data_parallel_index`; vLLM
+    releases without it: `data_parallel_rank`; 0 without data parallelism)."""
+    for name in ("data_parallel_index", "data_parallel_rank"):
+        value = getattr(parallel_config, name, None)
+        if isinstance(value, int) and value >= 0:
+            return value
+    return 0
+
+
 def rank_config(settings: VllmSettings, tp_rank: int, dp_rank: int = 0) -> ConnectorConfig:
     """The connector config of worker `tp_rank` of data-parallel rank `dp_rank`: its own side-channel port,
     base + dp_rank * tp_size + tp_rank."""
