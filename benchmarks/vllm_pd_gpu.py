@@ -143,7 +143,14 @@ def main() -> None:
                 # the pull's timeline at the decode (ms): arrival -> pull -> posted -> read -> usable -> reported
                 "kvc_stages_ms": {
                     stage: round(1e3 * moved["kvc"].get(f"{stage}_seconds_sum", 0), 3)
-                    for stage in ("arrival_to_pull", "pull_to_post", "read", "read_to_usable", "usable_to_reported")
+                    for stage in (
+                        "arrival_to_pull",
+                        "pull_to_pickup",
+                        "pickup_to_post",
+                        "read",
+                        "read_to_usable",
+                        "usable_to_reported",
+                    )
                 },
                 "kvc_ttft_ms": round(1e3 * (kvc["ttft_s"] or 0), 1),
                 "nixl_ttft_ms": round(1e3 * (nixl["ttft_s"] or 0), 1),

@@ -112,7 +112,7 @@ def test_concurrent_mla_requests_each_decode_from_their_own_kv(c: VllmCluster) -
 def test_each_pull_reports_its_timeline_in_stages_that_add_up(c: VllmCluster) -> None:
     """Per successful pull, one observation per stage (arrival at vLLM -> pull asked -> READ posted -> complete
     -> usable -> reported to vLLM); the stages of a pull add up to at least its requested -> usable time."""
-    stages = ("arrival_to_pull", "pull_to_post", "read", "read_to_usable", "usable_to_reported")
+    stages = ("arrival_to_pull", "pull_to_pickup", "pickup_to_post", "read", "read_to_usable", "usable_to_reported")
 
     def totals() -> dict[str, float]:
         out = {s: metric_sum(c.urls["decode"], f"vllm:kvconnect_{s}_seconds_{k}") for s in stages for k in ("count",)}
@@ -130,5 +130,5 @@ def test_each_pull_reports_its_timeline_in_stages_that_add_up(c: VllmCluster) ->
     for s in stages:
         assert after[s] - before[s] == 1, s  # (the arrival is known: vLLM stamps every request)
         assert after[f"{s}_sum"] - before[f"{s}_sum"] >= 0, s
-    middle = sum(after[f"{s}_sum"] - before[f"{s}_sum"] for s in ("pull_to_post", "read", "read_to_usable"))
+    middle = sum(after[f"{s}_sum"] - before[f"{s}_sum"] for s in stages[1:5])
     assert abs(middle - (after["pull_sum"] - before["pull_sum"])) < 1e-3  # (requested -> usable, split up)

@@ -12,10 +12,11 @@ from kvconnect.vllm.stats import STAGES, KVConnectStats, timeline  # noqa: E402
 
 
 def test_the_stages_are_consecutive_and_add_up_from_arrival_to_report() -> None:
-    stats = PullStats("r", "p", total_s=0.010, transfer_s=0.004, confirm_s=0.001)
+    stats = PullStats("r", "p", total_s=0.010, transfer_s=0.004, confirm_s=0.001, queued_s=0.002)
     t = timeline(arrival=100.0, requested=100.020, stats=stats, usable=100.030, reported=100.035)
     assert list(t) == list(STAGES)
-    assert t["arrival_to_pull_s"] == pytest.approx(0.020) and t["pull_to_post_s"] == pytest.approx(0.005)
+    assert t["arrival_to_pull_s"] == pytest.approx(0.020) and t["pull_to_pickup_s"] == 0.002
+    assert t["pickup_to_post_s"] == pytest.approx(0.003)
     assert (t["read_s"], t["read_to_usable_s"]) == (0.004, 0.001)
     assert t["usable_to_reported_s"] == pytest.approx(0.005)
     assert sum(t.values()) == pytest.approx(0.035)  # arrival -> reported

@@ -22,9 +22,16 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 SERIES = ("pull_s", "xfer_s", "post_s", "bytes", "num_descs", "digest_s")  # per successful pull (digest_s: checked)
 # a successful pull's timeline at the decode, in consecutive stages that add up to arrival -> reported:
-# the request reached vLLM -> the worker asked for the pull -> the READ was posted -> it completed -> the lease
-# was confirmed (blocks usable) -> vLLM was told (its next get_finished / get_transfer_results)
-STAGES = ("arrival_to_pull_s", "pull_to_post_s", "read_s", "read_to_usable_s", "usable_to_reported_s")
+# the request reached vLLM -> the worker asked for the pull -> a tick picked it up -> the READ was posted -> it
+# completed -> the lease was confirmed (blocks usable) -> vLLM was told (its next get_finished / get_transfer_results)
+STAGES = (
+    "arrival_to_pull_s",
+    "pull_to_pickup_s",
+    "pickup_to_post_s",
+    "read_s",
+    "read_to_usable_s",
+    "usable_to_reported_s",
+)
 COUNTS = ("failed", "leases_ended")  # {label: count}
 
 
@@ -49,9 +56,10 @@ def timeline(arrival: float, requested: float, stats: Any, usable: float, report
     """One pull's stages (seconds, `STAGES`) from wall-clock instants: the request's arrival at vLLM (0: not
     known, the first stage is then left out), the worker's pull request, the pull's end and its report to vLLM;
     the middle stages from its `PullStats`."""
-    read, confirm = stats.transfer_s, stats.confirm_s
+    read, confirm, queued = stats.transfer_s, stats.confirm_s, stats.queued_s
     out = {
-        "pull_to_post_s": max(stats.total_s - read - confirm, 0.0),
+        "pull_to_pickup_s": queued,
+        "pickup_to_post_s": max(stats.total_s - read - confirm - queued, 0.0),
         "read_s": read,
         "read_to_usable_s": confirm,
         "usable_to_reported_s": max(reported - usable, 0.0),
@@ -190,7 +198,11 @@ class KVConnectPromMetrics(KVConnectorPromMetrics):
         }
         stage_doc = {
             "arrival_to_pull_s": ("arrival_to_pull", "request reached vLLM -> its pull was asked for (scheduling)"),
-            "pull_to_post_s": ("pull_to_post", "pull asked for -> READ posted (queue, first contact, pin, plan)"),
+            "pull_to_pickup_s": (
+                "pull_to_pickup",
+                "pull asked for -> a tick picked it up (on vLLM's or the loop thread)",
+            ),
+            "pickup_to_post_s": ("pickup_to_post", "picked up -> READ posted (first contact, plan, pin sent, post)"),
             "read_s": ("read", "READ posted -> complete"),
             "read_to_usable_s": ("read_to_usable", "READ complete -> lease confirmed, blocks usable"),
             "usable_to_reported_s": ("usable_to_reported", "blocks usable -> vLLM told (its next step)"),

@@ -277,7 +277,8 @@ class WorkerSide:
         if log.isEnabledFor(logging.DEBUG):
             start = arrival or load.requested_at
             marks, t = [], load.requested_at - start
-            for name, key in (("posted", "pull_to_post_s"), ("read", "read_s"), ("usable", "read_to_usable_s")):
+            marked = (("picked up", "pull_to_pickup_s"), ("posted", "pickup_to_post_s"), ("read", "read_s"))
+            for name, key in (*marked, ("usable", "read_to_usable_s")):
                 t += stages[key]
                 marks.append(f"{name} {1e3 * t:.2f}")
             log.debug(
