@@ -51,9 +51,10 @@ def c(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmCluster]:
         }
     )
     nixl_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(SIDE_PORT)}
+    digest = {"KVCONNECT_KV_DIGEST": "1"}  # every pulled block's bytes checked against the prefill's
     servers = [
-        Server("prefill", kvconnect_config("kv_producer", {"lease_ttl_s": 60.0}), core=0, args=MLA),
-        Server("decode", by_name, core=1, env=nixl_env, args=MLA),
+        Server("prefill", kvconnect_config("kv_producer", {"lease_ttl_s": 60.0}), core=0, env=digest, args=MLA),
+        Server("decode", by_name, core=1, env={**nixl_env, **digest}, args=MLA),
         Server("aggregated", None, core=0, args=MLA),
     ]
     with VllmCluster(
@@ -84,15 +85,22 @@ def test_both_sides_register_the_latent_cache_and_the_decode_takes_nixlconnector
 
 
 def test_pd_equals_aggregated_from_one_token_to_many_blocks_moving_every_latent_page(c: VllmCluster) -> None:
-    """Through the proxy: the aggregated server's tokens, each pull exactly the prompt's blocks of latent."""
+    """Through the proxy: each pull exactly the prompt's blocks of latent, byte for byte the prefill's (the KV
+    digest checks every pull: a mismatch fails the request), and the first token the aggregated server's.
+
+    Later tokens are not compared: the decode computes the prompt's last position alone with MLA's absorbed
+    decode kernel where the aggregated server computes it inside its prefill, and in a fp32 random-weight model
+    that rounding difference flipped a near-tie at the fourth generated token (seen at 16 tokens once)."""
     for n, seed in ((1, 1), (40, 2), (BLOCK, 3), (BLOCK + 1, 4), (700, 5), (1500, 6)):
         ids = tokenize(c, prompt_of(2 * n + 8, seed=seed))[:n]
         want = reference(c, ids)
         before = metric_sum(c.urls["decode"], PULLED)
+        checked = metric_sum(c.urls["decode"], "vllm:kvconnect_digest_time_seconds_count")
         got = generate(c.urls["proxy"], ids, MAX_TOKENS)
-        assert got["status"] == 200 and got["token_ids"] == want, (n, got)
+        assert got["status"] == 200 and got["token_ids"][:1] == want[:1], (n, got)
         moved = metric_sum(c.urls["decode"], PULLED) - before
         assert moved == -(-len(ids) // BLOCK) * BLOCK_BYTES, (n, moved)
+        assert metric_sum(c.urls["decode"], "vllm:kvconnect_digest_time_seconds_count") == checked + 1, n
 
 
 def test_concurrent_mla_requests_each_decode_from_their_own_kv(c: VllmCluster) -> None:
