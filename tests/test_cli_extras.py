@@ -9,28 +9,26 @@ import pytest
 from kvconnect import cli
 
 
-def test_a_missing_extra_is_named_in_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def proxy_missing(monkeypatch: pytest.MonkeyPatch, module: str) -> None:
+    """Make importing the proxy's subcommand module fail as if `module` were not installed."""
     real = importlib.import_module
 
-    def without_starlette(name: str, *args: object) -> object:
+    def importer(name: str, *args: object) -> object:
         if name == "kvconnect.serving.proxy":
-            raise ModuleNotFoundError("No module named 'starlette'", name="starlette")
+            raise ModuleNotFoundError(f"No module named '{module}'", name=module)
         return real(name, *args)
 
-    monkeypatch.setattr(cli.importlib, "import_module", without_starlette)
+    monkeypatch.setattr(cli.importlib, "import_module", importer)
+
+
+def test_a_missing_extra_is_named_in_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    proxy_missing(monkeypatch, "starlette")
     assert cli.main(["proxy", "--port", "9"]) == 2
     err = capsys.readouterr().err
     assert err.strip() == "kvconnect proxy: needs starlette, from the `serve` extra: pip install 'kvconnect[serve]'"
 
 
 def test_a_missing_module_no_extra_brings_is_not_hidden(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = importlib.import_module
-
-    def broken(name: str, *args: object) -> object:
-        if name == "kvconnect.serving.proxy":
-            raise ModuleNotFoundError("No module named 'kvconnect.serving.gone'", name="kvconnect.serving.gone")
-        return real(name, *args)
-
-    monkeypatch.setattr(cli.importlib, "import_module", broken)
+    proxy_missing(monkeypatch, "kvconnect.serving.gone")
     with pytest.raises(ModuleNotFoundError, match="gone"):
         cli.main(["proxy", "--port", "9"])

@@ -7,7 +7,6 @@ scatter) and must hold exactly the reference tokens of its own heads, with no ot
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 
 import numpy as np
@@ -19,9 +18,9 @@ from hypothesis import strategies as st
 from kvconnect.core.cache import KVCache
 from kvconnect.core.decode.staging import scatter
 from kvconnect.core.errors import InvalidRequestError, LayoutMismatchError
-from kvconnect.core.plan.descriptors import PairPlan
 from kvconnect.core.plan.hetero import Path, plan_source, plan_sources
 from kvconnect.core.plan.layout import CacheSpec, LayoutKind
+from tests.oracle import execute
 from tests.oracle import plan as full_plan
 
 KINDS = list(LayoutKind)
@@ -53,15 +52,6 @@ def fill_from_reference(cache: KVCache, ref: torch.Tensor, ids: list[int], num_t
         for layer in range(LAYERS):
             for kv, view in enumerate(cache.kv(layer)):
                 view[ids[t // bs], t % bs] = ref[t, layer, kv, lo:hi]
-
-
-def memcpy_plan(pair: PairPlan, dst: KVCache, src: KVCache, dst_ids, src_ids, num_tokens=None):
-    plan = full_plan(pair, dst_ids, src_ids, num_tokens)
-    ldesc, rdesc = pair.local_descs(dst.base_addrs(), 0), pair.remote_descs(src.base_addrs(), 0)
-    for (daddr, n, _), (saddr, m, _) in zip(ldesc[plan.local_indices], rdesc[plan.remote_indices], strict=True):
-        assert n == m
-        ctypes.memmove(int(daddr), int(saddr), int(n))
-    return plan
 
 
 def run_pair(
@@ -100,10 +90,10 @@ def run_pair(
                 assert sp.staging_spec is not None
                 stage = KVCache.allocate(sp.staging_spec)
                 stage_ids = list(range(nb_p + 1))[::-1][:nb_p]
-                memcpy_plan(sp.pair, stage, remote, stage_ids, p_ids)
+                execute(sp.pair, stage, remote, stage_ids, p_ids)
                 scatter(stage, stage_ids, dst, d_ids, num_tokens, src.heads)
             else:
-                plan = memcpy_plan(sp.pair, dst, remote, d_ids, p_ids, num_tokens)
+                plan = execute(sp.pair, dst, remote, d_ids, p_ids, num_tokens)
                 assert plan.num_descs_merged <= plan.num_descs
         lo, hi = spec.head_range()
         for layer in range(LAYERS):
