@@ -125,10 +125,11 @@ class KVConnectConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]  # (b
             self._worker = WorkerSide(
                 rank_config(self._settings, rank, data_parallel_index(vllm_config.parallel_config)),
                 rank,
-                1 if getattr(model, "use_mla", False) else model.get_total_num_kv_heads(),
+                model.get_total_num_kv_heads(),  # (an MLA model's latent counts as one: layout.describe)
                 failed_requests=API.transfer_results,
             )
             self._model = model
+            self._latent = bool(getattr(model, "use_mla", False))  # MLA: latent caches, one vector per token
 
     # --- worker side -------------------------------------------------------------------------------
 
@@ -138,7 +139,7 @@ class KVConnectConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]  # (b
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         first = next(iter(kv_caches.values()))
-        latent = bool(getattr(self._model, "use_mla", False))
+        latent = self._latent
         page = _page_format(self._vllm_config, first.dtype, self._model.get_head_size(), latent)
         num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else first.shape[0]
         try:

@@ -143,12 +143,12 @@ def describe(
         )
     bases = [int(t.data_ptr()) for t in views]
     num_layers = len(views)
-    if split > 1 and s_block != page_bytes:
-        raise LayoutError(
-            f"{where}: {split} kernel blocks per block with blocks {s_block} bytes apart: a block is one run "
-            "only when kernel blocks are one page apart (a per-layer layout, not block-outermost)"
-        )
     if split > 1:
+        if s_block != page_bytes:
+            raise LayoutError(
+                f"{where}: {split} kernel blocks per block with blocks {s_block} bytes apart: a block is one run "
+                "only when kernel blocks are one page apart (a per-layer layout, not block-outermost)"
+            )
         if heads_outer and heads > 1:  # k runs of heads per block: no longer one run of heads per block
             page = f"{page}/kernel-block-{tokens}"
             heads_outer = False
