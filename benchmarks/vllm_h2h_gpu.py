@@ -1,18 +1,25 @@
-"""GPU head-to-head: kvconnect's vLLM plug-in against vLLM's NixlConnector, P/D on one GPU, real request sizes.
+"""GPU head-to-head on one GPU, requests one at a time: kvconnect's vLLM plug-in (its CUDA IPC gather, and with
+`transport: nixl`) against vLLM's NixlConnector and NixlPushConnector, each on the best byte path it can take.
 
-    python benchmarks/vllm_h2h_gpu.py OUT_DIR [--reps 4] [--lengths 512,1024,2048,4096]
+    python benchmarks/vllm_h2h_gpu.py OUT_DIR [--reps 8] [--lengths 512,1024,2048,4096]
+                                      [--pairs kvconnect,kvconnect-nixl,nixl,push] [--ucx-default] [--enforce-eager]
 
-A Llama-3-8B-shaped model (32 layers, 8 KV heads x 128, bf16: 128 KiB of KV per token, 512 MiB at 4,096
-tokens) with vLLM's `--load-format dummy` (random weights from its config; a generated tokenizer), so
-every request moves its real size. Per connector a prefill and a decode server on the one GPU, the same
-flags. Two warm-up requests per connector, then per length `reps` requests one after another, each a fresh
-random prompt of exactly that many tokens: the prefill leg (`max_tokens` 1, `do_remote_decode`), then the
-decode leg streamed with the returned params. Per request, from the decode's /metrics before and after:
-bytes, descriptors, transfer time (NixlConnector: NIXL's telemetry, post to completion; kvconnect: post to
-completion), kvconnect's requested -> usable, and the decode leg's time to first token. The ceiling: a
-torch copy of the same bytes on the same GPU in this process (best of 6, kvconnect.bench.ceiling), measured
-per length.
-Writes h2h.json and h2h.txt under OUT_DIR.
+vLLM's default mode (compiled, CUDA graphs) unless --enforce-eager. A model with Llama-3-8B's KV cache (32
+layers x 8 KV heads x 128, bf16: 128 KiB per token, 512 MiB at 4,096 tokens), random weights, small otherwise
+(`llama8b-kv`), block 16. The pairs and their byte paths: `kvconnect/bench/gpu_pd.py`; each NIXL server runs with
+`UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on` (--ucx-default: UCX's default) and prints UCX's protocol table, from which the
+byte path is printed at the end. A plain vLLM server (no connector) serves the same prompts, for its inter-token
+latency.
+
+Per length and repetition, every pair (and the plain server) serves one fresh random prompt of exactly that many
+tokens, in a shuffled order per round, so that drift hits all alike: the prefill leg (`max_tokens` 1,
+`do_remote_decode`), then the decode leg streamed (`--output` tokens) with the returned params, both under one
+`x-request-id` (NixlPushConnector matches the legs by it). Per request, from /metrics before and after: bytes,
+descriptors and transfer time as each connector reports them (NixlConnector and kvconnect on the decode,
+NixlPushConnector on the prefill); kvconnect's requested -> usable and its timeline stages; the decode's queue
+time (arrival -> scheduled: the KV wait) and first forward (scheduled -> first token), its mean inter-token
+latency, and the time to first token as the client saw it. The ceiling: a torch copy of the same bytes on the
+same GPU in this process, best of 6, per length. Writes h2h.json and h2h.txt under OUT_DIR.
 """
 
 from __future__ import annotations
@@ -22,137 +29,129 @@ import json
 import random
 import statistics
 import time
+import uuid
 from pathlib import Path
 
 from kvconnect.bench.ceiling import CopyCeiling
-from kvconnect.bench.vllm_pd import SERIES, scrape_sums
+from kvconnect.bench.gpu_pd import PAIRS, VLLM, byte_paths, deltas, histogram_sums, pair_servers, summary, transfer_side
 from kvconnect.harness.tiny_llama import TinyLlama, build
-from kvconnect.harness.vllm_cluster import Server, VllmCluster, connector_json, generate, kvconnect_config
+from kvconnect.harness.vllm_cluster import Server, VllmCluster, generate
 
-GPU_ARGS = ["--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", "8G", "--load-format", "dummy"]
-LLAMA3_8B = {
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "max_position_embeddings": 8192,
-}
+GPU_ARGS = ["--gpu-memory-utilization", "0.09", "--kv-cache-memory-bytes", "4G"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
-    ap.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="vLLM's eager mode (default: vLLM's default mode, compiled with CUDA graphs, which users run)",
-    )
-    ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--enforce-eager", action="store_true", help="vLLM's eager mode (default: compiled, CUDA graphs)")
+    ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--lengths", default="512,1024,2048,4096")
-    ap.add_argument("--connectors", default="nixl,kvconnect", help="which pairs to start and measure, in order")
-    ap.add_argument(
-        "--kvconnect-extra",
-        default="{}",
-        help="kvconnect's kv_connector_extra_config (JSON), e.g. "
-        "'{\"cross_layer_blocks\": true}' (vLLM 0.26: one KV tensor for every layer)",
-    )
+    ap.add_argument("--pairs", default=",".join(PAIRS), help="which pairs to start and measure")
+    ap.add_argument("--output", type=int, default=32, help="tokens each decode leg generates")
+    ap.add_argument("--ucx-default", action="store_true", help="leave UCX's cuda_ipc GET as UCX sets it")
     args = ap.parse_args()
-    names = args.connectors.split(",")
-    extra = json.loads(args.kvconnect_extra)
+    names = args.pairs.split(",")
     lengths = [int(x) for x in args.lengths.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
-    model = build(args.out / "model", TinyLlama.named("tiny"))  # its tokenizer; the geometry below
-    cfg = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**cfg, **LLAMA3_8B}))
-    vocab = int(cfg["vocab_size"])
-    t0 = time.monotonic()
-    servers = [
-        Server("kvconnect-prefill", kvconnect_config("kv_producer", extra), args=GPU_ARGS),
-        Server("kvconnect-decode", kvconnect_config("kv_consumer", extra), args=GPU_ARGS),
-        Server(
-            "nixl-prefill",
-            connector_json("NixlConnector", "kv_producer"),
-            args=GPU_ARGS,
-            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "25600"},
-        ),
-        Server(
-            "nixl-decode",
-            connector_json("NixlConnector", "kv_consumer"),
-            args=GPU_ARGS,
-            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "25700"},
-        ),
-    ]
-    servers = [s for s in servers if s.name.split("-")[0] in names]
+    model = build(args.out / "model", TinyLlama.named("llama8b-kv"))
+    vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+    servers = [Server("plain", None, args=GPU_ARGS)]
+    for i, name in enumerate(names):
+        servers += pair_servers(name, GPU_ARGS, args.ucx_default, port=25600 + 10 * i)
     rng = random.Random(7)
-    rows = []
+    rows: list[dict] = []
+    t0 = time.monotonic()
     with VllmCluster(
         str(model), servers, str(args.out / "logs"), block_size=16, eager=args.enforce_eager, max_model_len=8192
     ) as c:
         print(f"{len(servers)} servers healthy after {time.monotonic() - t0:.0f} s", flush=True)
 
-        def one(name: str, n: int) -> dict[str, float]:
+        def one(name: str, n: int) -> dict:
             prompt = [rng.randrange(10, vocab) for _ in range(n)]
-            prefill, decode = c.urls[f"{name}-prefill"], c.urls[f"{name}-decode"]
+            rid = {"x-request-id": f"h2h-{uuid.uuid4().hex}"}
+            if name == "plain":
+                before = histogram_sums(c.urls["plain"], VLLM)
+                got = generate(c.urls["plain"], prompt, args.output, stream=True, headers=rid)
+                assert got["status"] == 200, got
+                return {**_settled(c.urls["plain"], VLLM, before, "ttft_server_s"), "ttft_s": got["ttft_s"]}
+            side, series = transfer_side(name)
+            prefill, decode, reporter = c.urls[f"{name}-prefill"], c.urls[f"{name}-decode"], c.urls[f"{name}-{side}"]
             remote = {"kv_transfer_params": {"do_remote_decode": True}}
-            leg = generate(prefill, prompt, 1, extra=remote)  # type: ignore[arg-type]  # (token ids)
+            leg = generate(prefill, prompt, 1, extra=remote, headers=rid)  # type: ignore[arg-type]  # (token ids)
             assert leg["status"] == 200, leg
-            before = scrape_sums(decode, SERIES[name])
+            before_x, before_v = histogram_sums(reporter, series), histogram_sums(decode, VLLM)
             params = {"kv_transfer_params": leg["kv_transfer_params"]}
-            got = generate(decode, prompt, 4, stream=True, extra=params)  # type: ignore[arg-type]
+            got = generate(decode, prompt, args.output, stream=True, extra=params, headers=rid)  # type: ignore[arg-type]
             assert got["status"] == 200, got
-            deadline = time.monotonic() + 10
-            while True:  # (stats reach /metrics with the engine's next report)
-                after = scrape_sums(decode, SERIES[name])
-                if after["bytes"][1] > before["bytes"][1] or time.monotonic() > deadline:
-                    break
-                time.sleep(0.2)
-            out = {k: after[k][0] - before[k][0] for k in after}
-            out["ttft_s"] = got["ttft_s"]
-            return out
+            out = {**_settled(reporter, series, before_x, "bytes"), **_settled(decode, VLLM, before_v, "ttft_server_s")}
+            return {**out, "ttft_s": got["ttft_s"]}
 
-        for name in names:
+        for name in ["plain", *names]:  # first contact, compile warm-up
             for _ in range(2):
                 one(name, 256)
         for n in lengths:
-            for name in names:
-                for rep in range(args.reps):
+            for rep in range(args.reps):
+                order = ["plain", *names]
+                rng.shuffle(order)
+                for name in order:
                     r = one(name, n)
-                    r.update(connector=name, tokens=n, rep=rep)
+                    r.update(pair=name, tokens=n, rep=rep)
                     rows.append(r)
-                    print(json.dumps(r), flush=True)
-    table = []
-    for n in lengths:
-        for name in names:
-            rs = [r for r in rows if r["tokens"] == n and r["connector"] == name and r["bytes"] > 0]
-            if not rs:
-                table.append({"tokens": n, "connector": name, "error": "no transfer seen in /metrics"})
-                continue
-            nbytes = statistics.median(r["bytes"] for r in rs)
-            xfer = [r["xfer_s"] for r in rs]
-            ceiling = nbytes / (CopyCeiling(int(nbytes), "cuda", "cuda").best_gbps(6) * 1e9)  # (best of 6)
-            row = {
-                "tokens": n,
-                "connector": name,
-                "MiB": round(nbytes / 2**20, 1),
-                "descs": statistics.median(r["descs"] for r in rs),
-                "xfer_ms_min/med/max": [
-                    round(min(xfer) * 1e3, 2),
-                    round(statistics.median(xfer) * 1e3, 2),
-                    round(max(xfer) * 1e3, 2),
-                ],
-                "GB/s_med": round(nbytes / statistics.median(xfer) / 1e9, 1),
-                "copy_GB/s": round(nbytes / ceiling / 1e9, 1),
-                "pct_copy": round(100 * ceiling / statistics.median(xfer), 1),
-                "ttft_ms_med": round(statistics.median(r["ttft_s"] for r in rs) * 1e3, 1),
-            }
-            if name == "kvconnect":
-                row["usable_ms_med"] = round(statistics.median(r["pull_s"] for r in rs) * 1e3, 2)
-            table.append(row)
-            print("ROW", json.dumps(row), flush=True)
-    (args.out / "h2h.json").write_text(json.dumps({"rows": rows, "table": table}, indent=1))
+                    print(
+                        json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}), flush=True
+                    )
+        paths = byte_paths(args.out / "logs", [s.name for s in servers])
+        kvc_logs = {n: (args.out / "logs" / f"{n}-decode.log") for n in names if n.startswith("kvconnect")}
+    table = [_row(rows, name, n) for n in lengths for name in ["plain", *names]]
+    for row in table:
+        print("ROW", json.dumps(row), flush=True)
+    print("byte paths (UCX protocol tables, GPU memory):")
+    for server, lines in paths.items():
+        for line in lines:
+            print(f"  {server}: {line}")
+    for name, path in kvc_logs.items():
+        ready = [ln for ln in path.read_text(errors="replace").splitlines() if " ready: " in ln and "peer " in ln]
+        print(f"  {name}-decode: {ready[-1].split('peer ', 1)[1] if ready else 'no peer-ready line'}")
+    (args.out / "h2h.json").write_text(json.dumps({"rows": rows, "table": table, "byte_paths": paths}, indent=1))
     (args.out / "h2h.txt").write_text("\n".join(json.dumps(r) for r in table) + "\n")
+
+
+def _settled(url: str, series: dict[str, str], before: dict[str, tuple[float, float]], key: str) -> dict[str, float]:
+    """The request's deltas, once its `key` histogram has counted it (stats reach /metrics a step later)."""
+    deadline = time.monotonic() + 3
+    while True:
+        after = histogram_sums(url, series)
+        if after[key][1] > before[key][1] or time.monotonic() > deadline:
+            return deltas(before, after)
+        time.sleep(0.05)
+
+
+def _row(rows: list[dict], name: str, n: int) -> dict:
+    rs = [r for r in rows if r["tokens"] == n and r["pair"] == name]
+    out: dict = {"tokens": n, "pair": name, "requests": len(rs)}
+    for key in ("ttft_s", "queue_s", "first_forward_s", "itl_s"):
+        out[f"{key[:-2]}_ms"] = summary([r[key] for r in rs if r.get(key)])
+    moved = [r for r in rs if r.get("bytes_n", 0) > 0]
+    if name == "plain":
+        return out
+    if len(moved) < len(rs):
+        out["no_transfer_seen"] = len(rs) - len(moved)
+    if not moved:
+        return out
+    nbytes = statistics.median(r["bytes"] for r in moved)
+    xfer = [r["xfer_s"] for r in moved]
+    ceiling_s = nbytes / (CopyCeiling(int(nbytes), "cuda", "cuda").best_gbps(6) * 1e9)
+    out.update(
+        MiB=round(nbytes / 2**20, 1),
+        descs=statistics.median(r["descs"] for r in moved),
+        transfer_ms=summary(xfer),
+        copy_ms=round(ceiling_s * 1e3, 3),
+        copy_over_transfer_pct=round(100 * ceiling_s / statistics.median(xfer), 1),
+    )
+    for key in ("usable_s", "pull_to_pickup_s", "pickup_to_post_s", "read_s", "read_to_usable_s"):
+        if any(key in r for r in moved):
+            out[f"{key[:-2]}_ms"] = summary([r[key] for r in moved if key in r], digits=3)
+    return out
 
 
 if __name__ == "__main__":

@@ -63,6 +63,21 @@ def test_drive_never_waits_for_a_tick_in_progress() -> None:
         poll_until(dec.drive, what="a tick once the loop's one ended")
 
 
+def test_work_queued_by_a_caller_about_to_drive_does_not_wake_the_loop_thread() -> None:
+    """Woken, the loop thread would take the tick and then wait for the GIL its caller holds (an engine
+    running Python hands it over every 5 ms): the pull would start up to 5 ms late."""
+    ran: list[str] = []
+    config = config_for_tests(poll_interval_s=30.0)  # (the loop thread ticks only when woken)
+    with KVConnector(KVCache.allocate(SPEC), config) as dec:
+        wakeups = dec._loop.wakeups
+        dec.wait_idle()  # (another caller's work wakes it)
+        assert dec._loop.wakeups == wakeups + 1
+        poll_until(lambda: not dec._loop.lock.locked(), what="the loop thread's tick ended")
+        dec._loop.call(lambda: ran.append(threading.current_thread().name), driver=True)
+        assert dec._loop.wakeups == wakeups + 1
+        poll_until(lambda: ran or dec.drive() and False, what="the queued work ran")
+
+
 def test_the_vllm_worker_side_drives_its_pulls_from_the_engine_thread() -> None:
     """The plug-in's worker drives the connector in `on_orders` and `results`: with the loop thread held, a
     load still finishes through vLLM's own step calls alone."""
@@ -84,9 +99,12 @@ def test_the_vllm_worker_side_drives_its_pulls_from_the_engine_thread() -> None:
         assert conn is not None
         try:
             with conn.faults.hold_loop():
+                wakeups = conn._loop.wakeups
                 worker.bind_connector_metadata(
                     StepOrders(pulls=[PullOrder("worker-driven", params, [[4, 1]], 64, 0)], idle=True)
                 )
+                # the pull was started on this thread; the loop thread was not woken to take the tick first
+                assert conn._loop.wakeups == wakeups
                 done = poll_until(lambda: worker.transfer_results(set())[1], what="the load was reported")
             assert done == {"worker-driven"} and not worker.get_block_ids_with_load_errors()
             for local, remote in zip([4, 1], [2, 9], strict=True):

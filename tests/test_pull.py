@@ -139,6 +139,7 @@ def test_blocks_that_changed_after_the_grant_fail_the_pull_on_their_digest(prefi
         good = pre.lease(rid(), [30, 31])
         stats = dec.pull(good, [0, 1]).wait(20)
         assert stats.digest_s > 0  # checked (and passed) across layouts
+        assert stats.after_read_s >= stats.confirm_s + stats.digest_s  # (the digest is after the read)
         request_id = rid()
         bad = pre.lease(request_id, [first, first + 1, first + 2])  # (blocks no earlier test overwrote)
         pre.ask("overwrite", first + 1)

@@ -52,6 +52,26 @@ def test_a_kv_consumer_leases_nothing_for_a_clients_do_remote_decode() -> None:
     assert [o.block_ids for o in producer.build_connector_meta(1).leases] == [[1, 2]]
 
 
+def test_a_step_that_computes_nothing_is_idle_even_when_it_starts_a_pull() -> None:
+    """The step that orders a pull computes nothing when that request is the only one: its workers must wait
+    for the pull then (idle), not a step later; on the H200 that later step cost ~1.5 ms of a 2 ms pull."""
+    params = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1], "remote_host": "h"}
+    consumer = SchedulerSide(read_settings(Cfg({}, role="kv_consumer")))
+    consumer.update_state_after_alloc(Req(dict(params)), Blocks([[7, 8, 9]]), 65)
+    orders = consumer.build_connector_meta(0)
+    assert len(orders.pulls) == 1 and orders.idle
+    consumer.update_state_after_alloc(Req(dict(params)), Blocks([[7, 8, 9]]), 65)
+    assert not consumer.build_connector_meta(3).idle  # (a step with a forward never waits)
+
+
+class Blocks:  # the parts of vLLM's KVCacheBlocks the scheduler half reads
+    def __init__(self, groups: list[list[int]]) -> None:
+        self.groups = groups
+
+    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+        return self.groups
+
+
 def test_a_kv_producer_pulls_nothing_for_a_clients_do_remote_prefill() -> None:
     params = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1], "remote_host": "h"}
     producer = SchedulerSide(read_settings(Cfg({}, role="kv_producer")))

@@ -206,13 +206,15 @@ class KVConnector:
         local_block_ids: Sequence[int],
         request_id: str | None = None,
         prompt_digest: bytes = b"",
+        driven: bool = False,
     ) -> PullHandle:
         """Start pulling `params.remote_block_ids` into `local_block_ids`; never blocks on the peer.
         InvalidRequestError (naming the field) when the params or ids are invalid: nothing is started.
         `prompt_digest`: the digest of the prompt this decode serves; a lease bound to another prompt
-        refuses the read (LeaseLostError) and nothing of it is used."""
+        refuses the read (LeaseLostError) and nothing of it is used. `driven`: the caller calls `drive()` right
+        after, which then starts the pull on its thread (the loop thread is not woken for it)."""
         handle, start = self._decode.prepare(params, local_block_ids, request_id, prompt_digest)
-        self._loop.call(start)
+        self._loop.call(start, driver=driven)
         return handle
 
     def release_remote(self, params: KVTransferParams) -> None:

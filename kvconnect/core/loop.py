@@ -63,6 +63,7 @@ class Loop:
         self._stop = threading.Event()
         self.lock = threading.Lock()  # one tick at a time, on the loop thread or a driving thread
         self._driven_until = 0.0  # until then a caller is driving: the loop thread leaves the ticks to it
+        self.wakeups = 0  # times `call` woke the loop thread
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -72,13 +73,18 @@ class Loop:
     def closed(self) -> bool:
         return self._stop.is_set()
 
-    def call(self, fn: Callable[[], None]) -> None:
-        """Run `fn` in the next tick (any thread)."""
+    def call(self, fn: Callable[[], None], driver: bool = False) -> None:
+        """Run `fn` in the next tick (any thread). `driver`: the caller drives right after (`drive`), so the
+        loop thread is not woken for it: woken, it would take the tick first and then wait for the GIL the
+        caller holds (up to the interpreter's 5 ms switch interval while an engine runs Python)."""
         if self._stop.is_set():
             raise KVConnectError("connector is closed")
+        if driver and not self.lock.locked() and self._on_cache_device():  # (a tick running now would make the
+            self._driven_until = time.monotonic() + DRIVEN_S  # caller's drive fail: then the loop thread runs it)
         self._inbox.put(fn)
         if time.monotonic() < self._driven_until:
             return  # the driving thread runs it at its next `drive` (the loop thread at its next tick)
+        self.wakeups += 1
         try:
             os.write(self._wake_w, b"\0")  # wake the loop now, not at its next tick
         except BlockingIOError:  # the pipe is full: a wake-up is pending anyway
@@ -154,6 +160,8 @@ class Loop:
         if self._stop.is_set():
             return False
         self._stop.set()
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"\0")  # (out of its poll now, not at its next tick)
         self._thread.join(timeout=10)
         return True
 

@@ -72,6 +72,7 @@ class VllmCluster:
     max_model_len: int = 4096
     kv_cache_gib: int = 1
     dtype: str = "bfloat16"
+    max_num_seqs: int = 8
     # --enforce-eager: on the CPU machines compiling the model (inductor, a C++ build on two cores) would cost
     # minutes per start. GPU runs pass False: vLLM's default mode (compile, CUDA graphs) is what users run
     eager: bool = True
@@ -126,7 +127,7 @@ class VllmCluster:
             "--max-model-len",
             str(self.max_model_len),
             "--max-num-seqs",
-            "8",
+            str(self.max_num_seqs),
             *(["--enforce-eager"] if self.eager else []),
             "--seed",
             "0",
@@ -260,6 +261,7 @@ def generate(
     stream: bool = False,
     timeout_s: float = 300.0,
     extra: dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """One greedy request to an OpenAI server: {"status", "token_ids", "text", "error", "ttft_s", "total_s",
     "kv_transfer_params"} (streamed answers reassembled; ttft_s: first streamed token, else the whole answer).
@@ -281,7 +283,7 @@ def generate(
     t0 = time.monotonic()
     out: dict[str, Any] = {"status": 0, "token_ids": None, "text": "", "error": None, "ttft_s": None}
     if not stream:
-        r = httpx.post(url + path, json=body, timeout=timeout_s)
+        r = httpx.post(url + path, json=body, timeout=timeout_s, headers=headers)
         out["status"], out["total_s"] = r.status_code, time.monotonic() - t0
         out["ttft_s"] = out["total_s"]
         data = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
@@ -294,7 +296,7 @@ def generate(
         out["kv_transfer_params"] = data.get("kv_transfer_params")
         return out
     ids: list[int] = []
-    with httpx.stream("POST", url + path, json=body, timeout=timeout_s) as r:
+    with httpx.stream("POST", url + path, json=body, timeout=timeout_s, headers=headers) as r:
         out["status"] = r.status_code
         if r.status_code != 200:
             out["error"] = r.read().decode(errors="replace")

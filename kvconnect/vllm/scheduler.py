@@ -139,7 +139,9 @@ class SchedulerSide:
 
     def build_connector_meta(self, num_scheduled_tokens: int) -> StepOrders:
         orders, self._orders = self._orders, StepOrders()
-        orders.idle = num_scheduled_tokens == 0 and not (orders.leases or orders.pulls or orders.releases)
+        # (a step that only starts pulls is idle too: its workers then wait for them right away, instead of a
+        # step later, after a round of vLLM's own scheduling: ~1.5 ms of a pull's ~2 ms on the H200)
+        orders.idle = num_scheduled_tokens == 0
         return orders
 
     def request_finished(

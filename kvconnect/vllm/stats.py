@@ -56,12 +56,12 @@ def timeline(arrival: float, requested: float, stats: Any, usable: float, report
     """One pull's stages (seconds, `STAGES`) from wall-clock instants: the request's arrival at vLLM (0: not
     known, the first stage is then left out), the worker's pull request, the pull's end and its report to vLLM;
     the middle stages from its `PullStats`."""
-    read, confirm, queued = stats.transfer_s, stats.confirm_s, stats.queued_s
+    read, after, queued = stats.transfer_s, stats.after_read_s, stats.queued_s
     out = {
         "pull_to_pickup_s": queued,
-        "pickup_to_post_s": max(stats.total_s - read - confirm - queued, 0.0),
+        "pickup_to_post_s": max(stats.total_s - read - after - queued, 0.0),
         "read_s": read,
-        "read_to_usable_s": confirm,
+        "read_to_usable_s": after,  # (the lease's answer, and the digest where it is on)
         "usable_to_reported_s": max(reported - usable, 0.0),
     }
     if arrival > 0:

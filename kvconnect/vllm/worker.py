@@ -44,7 +44,7 @@ from kvconnect.vllm.stats import KVConnectStats, failure_reason, timeline
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.005  # an idle step's wait for a lease or pull to end (it returns as soon as one does)
-DRIVE_EVERY_S = 0.0005  # ... during which it drives the connector this often
+DRIVE_EVERY_S = 0.0002  # ... during which it drives the connector this often (a 512 MiB gather: 0.27 ms on an H200)
 
 
 @dataclass
@@ -194,7 +194,9 @@ class WorkerSide:
                 remote_group_sizes=tail.wire_sizes(),
                 remote_num_tokens=None,
             )
-            load.handle = self._require().pull(wanted, local.ids.tolist(), order.request_id, order.prompt_digest)
+            load.handle = self._require().pull(
+                wanted, local.ids.tolist(), order.request_id, order.prompt_digest, driven=True
+            )  # (bind_connector_metadata drives right after)
         except KVConnectError as e:
             self._failed(load, e)
 

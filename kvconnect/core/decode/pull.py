@@ -71,6 +71,7 @@ class PullStats(msgspec.Struct):
     num_sources: int = 1  # prefill ranks read (heterogeneous TP)
     scatter_s: float = 0.0  # staging path: staging -> decode cache on the device
     digest_s: float = 0.0  # kv_digest: summing the pulled blocks on this side (0: not checked)
+    after_read_s: float = 0.0  # the transfer ended -> usable: the lease's answer, the digest (0: no transfer ended)
     num_descs_issued: int = 0  # descriptors NIXL reported issuing (0 unless the `telemetry` setting is on)
 
     @property
@@ -263,6 +264,8 @@ class Pull:
         now = time.monotonic()
         self.phase = PullPhase.FAILED if error else PullPhase.DONE
         self.handle.stats.total_s = now - self.requested_s
+        if self.read_done_s:
+            self.handle.stats.after_read_s = now - self.read_done_s
         self.handle._finish(error)
 
 
@@ -287,7 +290,7 @@ class PullGroup:
         stats.num_sources = len(parts)
         for name in ("bytes", "num_descs", "num_descs_merged", "num_descs_issued", "post_s", "validate_s", "scatter_s"):
             setattr(stats, name, sum(getattr(x, name) for x in parts))  # (one after another on the loop)
-        for name in ("handshake_s", "transfer_s", "confirm_s", "queued_s"):
+        for name in ("handshake_s", "transfer_s", "confirm_s", "queued_s", "after_read_s"):
             setattr(stats, name, max(getattr(x, name) for x in parts))
         for name in ("path", "granularity", "transport"):
             setattr(stats, name, "+".join(sorted({getattr(x, name) for x in parts if getattr(x, name)})))

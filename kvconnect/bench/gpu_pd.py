@@ -1,0 +1,128 @@
+"""What the GPU P/D benchmarks share: the connector pairs they start on one GPU, each side's byte path, and
+per-request deltas of vLLM's own /metrics.
+
+The pairs, each a prefill and a decode server with the same flags:
+
+- `kvconnect`: kvconnect's plug-in as shipped (`transport: auto`: same-host GPU peers use its CUDA IPC gather);
+- `kvconnect-nixl`: the plug-in with `transport: nixl` (every pull a NIXL READ, as across nodes);
+- `nixl`: vLLM's NixlConnector (the decode READs);
+- `push`: vLLM's NixlPushConnector (the prefill WRITEs into the blocks the decode registered; both legs must carry
+  the same request id, and its transfer telemetry is on the prefill's /metrics).
+
+Every server that moves bytes with NIXL gets `UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on` (UCX turns cuda_ipc GET off where
+it finds no NVLink, and a READ then runs as "software emulation" over TCP; `ucx_default=True` leaves UCX's default
+to show that) and `UCX_PROTO_INFO=y`, so that its log holds UCX's protocol table: the byte path it took.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvconnect.harness.vllm_cluster import Server, connector_json, kvconnect_config
+from kvconnect.verdict.ucx_tables import parse_proto_tables
+
+PAIRS = ("kvconnect", "kvconnect-nixl", "nixl", "push")
+# histograms read per request from /metrics: short name -> metric (vLLM's own, then each connector's)
+VLLM = {
+    "queue_s": "vllm:request_queue_time_seconds",
+    "first_forward_s": "vllm:request_prefill_time_seconds",  # (a decode's "prefill" is the KV wait + first step)
+    "itl_s": "vllm:inter_token_latency_seconds",
+    "ttft_server_s": "vllm:time_to_first_token_seconds",
+}
+NIXL = {
+    "bytes": "vllm:nixl_bytes_transferred",
+    "descs": "vllm:nixl_num_descriptors",
+    "xfer_s": "vllm:nixl_xfer_time_seconds",
+}
+KVCONNECT = {
+    "bytes": "vllm:kvconnect_bytes_transferred",
+    "descs": "vllm:kvconnect_num_descriptors",
+    "xfer_s": "vllm:kvconnect_xfer_time_seconds",
+    "usable_s": "vllm:kvconnect_pull_time_seconds",
+    **{
+        f"{stage}_s": f"vllm:kvconnect_{stage}_seconds"
+        for stage in ("arrival_to_pull", "pull_to_pickup", "pickup_to_post", "read", "read_to_usable")
+    },
+}
+
+
+def pair_servers(name: str, args: list[str], ucx_default: bool = False, port: int = 25600) -> list[Server]:
+    """The prefill and decode servers of pair `name` (`<name>-prefill`, `<name>-decode`)."""
+    ucx = {"UCX_PROTO_INFO": "y", **({} if ucx_default else {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"})}
+    out = []
+    for i, role in enumerate(("kv_producer", "kv_consumer")):
+        side = "prefill" if role == "kv_producer" else "decode"
+        if name == "kvconnect":
+            cfg, env = kvconnect_config(role), {}
+        elif name == "kvconnect-nixl":
+            cfg, env = kvconnect_config(role, {"transport": "nixl"}), dict(ucx)
+        elif name in ("nixl", "push"):
+            connector = "NixlConnector" if name == "nixl" else "NixlPushConnector"
+            cfg, env = connector_json(connector, role), {**ucx, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + 100 * i)}
+        else:
+            raise ValueError(f"unknown pair {name!r}; known: {', '.join(PAIRS)}")
+        out.append(Server(f"{name}-{side}", cfg, args=args, env=env))
+    return out
+
+
+def transfer_side(name: str) -> tuple[str, dict[str, str]]:
+    """Which server of pair `name` reports the transfer, and its metrics."""
+    if name == "push":
+        return "prefill", NIXL
+    return "decode", (KVCONNECT if name.startswith("kvconnect") else NIXL)
+
+
+def histogram_sums(url: str, names: dict[str, str]) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each histogram, over all its label sets; (0, 0) where the server has none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {v: k for k, v in names.items()}
+    out = {k: (0.0, 0.0) for k in names}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        key = wanted.get(family.name)
+        if key is not None:
+            total = sum(s.value for s in family.samples if s.name.endswith("_sum"))
+            count = sum(s.value for s in family.samples if s.name.endswith("_count"))
+            out[key] = (total, count)
+    return out
+
+
+def deltas(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]], means: tuple[str, ...] = ("itl_s",)
+) -> dict[str, float]:
+    """Per histogram, the sum of what one request added to it; for those in `means`, their mean."""
+    out = {}
+    for key, (total, count) in after.items():
+        d_sum, d_count = total - before[key][0], count - before[key][1]
+        out[key] = d_sum / d_count if key in means and d_count else d_sum
+        out[f"{key}_n"] = d_count
+    return out
+
+
+def byte_paths(log_dir: Path, servers: list[str]) -> dict[str, list[str]]:
+    """Per server, the UCX protocols its logs say moved GPU memory: "<operation> | <range> | <how> | <lanes>"."""
+    out: dict[str, list[str]] = {}
+    for name in servers:
+        path = log_dir / f"{name}.log"
+        rows = parse_proto_tables(path.read_text(errors="replace")) if path.exists() else []
+        moved = [r for r in rows if "remote memory" in r.operation and "cuda" in r.operation]
+        seen = dict.fromkeys(f"{r.operation} | {r.range} | {r.description} | {r.config}" for r in moved)
+        if seen:
+            out[name] = list(seen)
+    return out
+
+
+def summary(values: list[float], scale: float = 1e3, digits: int = 2) -> dict[str, Any]:
+    """min, median and max, scaled (ms by default)."""
+    import statistics
+
+    if not values:
+        return {"min": None, "med": None, "max": None}
+    return {
+        "min": round(min(values) * scale, digits),
+        "med": round(statistics.median(values) * scale, digits),
+        "max": round(max(values) * scale, digits),
+    }
