@@ -33,9 +33,10 @@ import uuid
 from pathlib import Path
 
 from kvconnect.bench.ceiling import CopyCeiling
-from kvconnect.bench.gpu_pd import PAIRS, VLLM, byte_paths, deltas, histogram_sums, pair_servers, summary, transfer_side
+from kvconnect.bench.gpu_pd import PAIRS, VLLM, deltas, histogram_sums, pair_servers, summary, transfer_side
 from kvconnect.harness.tiny_llama import TinyLlama, build
 from kvconnect.harness.vllm_cluster import Server, VllmCluster, generate
+from kvconnect.verdict.ucx_tables import parse_proto_tables
 
 GPU_ARGS = ["--gpu-memory-utilization", "0.09", "--kv-cache-memory-bytes", "4G"]
 
@@ -114,6 +115,19 @@ def main() -> None:
         print(f"  {name}-decode: {ready[-1].split('peer ', 1)[1] if ready else 'no peer-ready line'}")
     (args.out / "h2h.json").write_text(json.dumps({"rows": rows, "table": table, "byte_paths": paths}, indent=1))
     (args.out / "h2h.txt").write_text("\n".join(json.dumps(r) for r in table) + "\n")
+
+
+def byte_paths(log_dir: Path, servers: list[str]) -> dict[str, list[str]]:
+    """Per server, the UCX protocols its logs say moved GPU memory: "<operation> | <range> | <how> | <lanes>"."""
+    out: dict[str, list[str]] = {}
+    for name in servers:
+        path = log_dir / f"{name}.log"
+        rows = parse_proto_tables(path.read_text(errors="replace")) if path.exists() else []
+        moved = [r for r in rows if "remote memory" in r.operation and "cuda" in r.operation]
+        seen = dict.fromkeys(f"{r.operation} | {r.range} | {r.description} | {r.config}" for r in moved)
+        if seen:
+            out[name] = list(seen)
+    return out
 
 
 def _settled(url: str, series: dict[str, str], before: dict[str, tuple[float, float]], key: str) -> dict[str, float]:

@@ -8,7 +8,7 @@ against vLLM's NixlConnector and NixlPushConnector, each pair behind kvconnect's
 The model and pairs are `vllm_h2h_gpu.py`'s (`llama8b-kv`: Llama-3-8B's KV cache, 128 KiB per token; each NIXL
 server with `UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on`). The client: vLLM's random dataset, inputs of
 `input_len * (1 +- range_ratio)` tokens (1,024-4,096 by default), `--output-len` tokens out with EOS ignored,
-Poisson arrivals at each rate (`prompts_per_rate * rate` requests, at least 32), then one run of a fixed number of
+Poisson arrivals at each rate (`prompts_per_rate * rate` requests, at least 32), after one run of a fixed number of
 requests in flight (`--concurrency`, as many requests as for the highest rate). Targets run one at a time (the
 others idle), in a shuffled order per rate. Per target and run: p50/p99 TTFT and ITL, request throughput, failed
 requests; `serve.json` and `serve.txt`, a plot per metric (`<metric>.png`), vLLM's own result files under
@@ -106,9 +106,8 @@ def main() -> None:
             f"{len(servers)} servers and {len(names)} proxies healthy after {time.monotonic() - t0:.0f} s", flush=True
         )
         rng = random.Random(args.seed)
-        plan: list[tuple[float | None, int]] = [(r, 0) for r in args.rates]
-        if args.concurrency:
-            plan.append((None, args.concurrency))
+        plan: list[tuple[float | None, int]] = [(None, args.concurrency)] if args.concurrency else []
+        plan += [(r, 0) for r in args.rates]
         for rate, concurrency in plan:
             order = list(targets)
             rng.shuffle(order)

@@ -113,3 +113,23 @@ def test_the_vllm_worker_side_drives_its_pulls_from_the_engine_thread() -> None:
             worker.close()
     finally:
         pre.stop()
+
+
+def test_the_loop_thread_ticks_rarely_while_nothing_is_in_flight_or_held(prefill: PrefillProcess) -> None:
+    """A loop thread ticking every millisecond takes the GIL from the engine's step 1,000 times a second even
+    when the connector has nothing to do; quiet, it waits for the side channel or new work instead."""
+    from kvconnect.core.loop import QUIET_TICK_MS
+
+    with decoder() as dec:
+        loop = dec._loop
+        assert loop._timeout_ms() == QUIET_TICK_MS
+        dec.lease("held", [1, 2])
+        assert loop._timeout_ms() < QUIET_TICK_MS  # (a lease expires and its reader's notification is drained)
+        dec.release(dec.held_leases()[0].lease_id)
+        assert loop._timeout_ms() == QUIET_TICK_MS
+        with dec.faults.hold_loop():
+            handle = dec.pull(prefill.lease("quiet", [4]), [9])
+            poll_until(lambda: dec.drive() and loop._timeout_ms() < QUIET_TICK_MS, what="a pull in flight")
+            poll_until(lambda: dec.drive() and handle.done(), what="the pull ended")
+        handle.wait(0)
+        poll_until(lambda: loop._timeout_ms() == QUIET_TICK_MS, what="quiet again")

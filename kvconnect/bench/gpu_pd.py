@@ -16,13 +16,11 @@ to show that) and `UCX_PROTO_INFO=y`, so that its log holds UCX's protocol table
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from kvconnect.harness.vllm_cluster import Server, connector_json, kvconnect_config
-from kvconnect.verdict.ucx_tables import parse_proto_tables
 
 PAIRS = ("kvconnect", "kvconnect-nixl", "nixl", "push")
 # histograms read per request from /metrics: short name -> metric (vLLM's own, then each connector's)
@@ -99,19 +97,6 @@ def deltas(
         d_sum, d_count = total - before[key][0], count - before[key][1]
         out[key] = d_sum / d_count if key in means and d_count else d_sum
         out[f"{key}_n"] = d_count
-    return out
-
-
-def byte_paths(log_dir: Path, servers: list[str]) -> dict[str, list[str]]:
-    """Per server, the UCX protocols its logs say moved GPU memory: "<operation> | <range> | <how> | <lanes>"."""
-    out: dict[str, list[str]] = {}
-    for name in servers:
-        path = log_dir / f"{name}.log"
-        rows = parse_proto_tables(path.read_text(errors="replace")) if path.exists() else []
-        moved = [r for r in rows if "remote memory" in r.operation and "cuda" in r.operation]
-        seen = dict.fromkeys(f"{r.operation} | {r.range} | {r.description} | {r.config}" for r in moved)
-        if seen:
-            out[name] = list(seen)
     return out
 
 

@@ -119,6 +119,7 @@ class KVConnector:
                 io_cpus(config.loop_cpu_set),
                 cache.regions[0].device if self.spec.device == "cuda" else None,
                 faults.gate if faults is not None else None,
+                quiet=lambda: self._leases.num_held == 0 and self._decode.quiet(),
             )
             self._loop.start()
         if not config.confirm_reads:

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 DRIVEN_S = 0.05  # a caller that drove within this long is still driving: the loop thread leaves the ticks to it
 DRIVEN_TICK_MS = 10  # ... and wakes this often to see whether it still does (or at once for the side channel)
+# with nothing in flight or held (`quiet`), the loop thread ticks this often: new work wakes it anyway (the side
+# channel, `call`), and a thread ticking every millisecond takes the GIL from an engine's step 1,000 times a second
+QUIET_TICK_MS = 50
 
 
 class Loop:
@@ -44,14 +47,18 @@ class Loop:
         cpus: frozenset[int],
         device: Any = None,
         gate: Any = None,
+        quiet: Callable[[], bool] = lambda: False,
     ) -> None:
         """`tick` runs under the loop's lock; `serve` answers the side channel when `server_sock` is readable;
-        `busy` says whether a transfer is in flight (the loop then spins); `device` is the cache's torch CUDA
+        `busy` says whether a transfer is in flight (the loop then spins); `quiet` whether nothing is in flight or
+        held (it then ticks every `QUIET_TICK_MS`); `device` is the cache's torch CUDA
         device (None on the CPU); `gate` is a lock the loop thread takes before each tick (fault injection)."""
         self._tick_fn = tick
         self._sock = server_sock
         self._serve = serve
         self._busy = busy
+        self._quiet = quiet
+        self.ticks = 0  # ticks the loop thread ran
         self._tick_ms = max(int(poll_interval_s * 1000), 1)
         self._cpus = cpus
         self._device = device
@@ -100,7 +107,7 @@ class Loop:
         while not self._stop.is_set():
             try:
                 driven = time.monotonic() < self._driven_until
-                ready = dict(poller.poll(DRIVEN_TICK_MS if driven else 0 if self._busy() else self._tick_ms))
+                ready = dict(poller.poll(DRIVEN_TICK_MS if driven else self._timeout_ms()))
                 if self._wake_r in ready:
                     try:
                         os.read(self._wake_r, 4096)
@@ -112,8 +119,16 @@ class Loop:
                     if self._sock in ready:
                         self._serve()
                     self.tick()
+                    self.ticks += 1
             except Exception:  # keep serving; the failing pull or message was already answered
                 log.exception("kvconnect loop iteration failed")
+
+    def _timeout_ms(self) -> int:
+        if self._busy():
+            return 0
+        with self.lock:  # (the state `quiet` reads changes inside ticks)
+            quiet = self._quiet() and self._inbox.empty()
+        return QUIET_TICK_MS if quiet else self._tick_ms
 
     def tick(self) -> None:
         """Queued work, then the connector's own tick (under `lock`)."""

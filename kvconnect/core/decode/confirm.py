@@ -78,6 +78,11 @@ class LeaseConfirmation:
         self._fail = fail
         self._asking_again: list[Pull] = []  # pulls whose lease the prefill had not granted yet
 
+    @property
+    def pending(self) -> bool:
+        """Whether a PIN or CONFIRM waits to be asked again."""
+        return bool(self._asking_again)
+
     def needed(self, peer: Peer) -> bool:
         """Whether the prefill side is asked about the lease: always, unless `confirm_reads` is off and the
         transport itself tells the prefill that the read ended."""

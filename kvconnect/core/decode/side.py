@@ -1,18 +1,18 @@
 """Decode side of a connector: pulls driven from request to usable blocks.
 
-Runs inside the connector's ticks (except `prepare`, which only validates). Each pull goes
-WAIT_PEER -> POSTED -> CONFIRMING -> DONE, or FAILED from any of them (`pull.PullPhase`):
+Runs inside the connector's ticks (except `prepare`, which only validates). Each pull goes WAIT_PEER -> POSTED ->
+CONFIRMING -> DONE, or FAILED from any of them (`pull.PullPhase`):
 
-- WAIT_PEER: the peer (`peers.py`) is handshaking; a pull naming another incarnation, or a disconnect,
-  drops the stale peer and handshakes again;
-- POSTED: the peer's transport (`transports/`) moves the blocks; with `pin_reads` the lease is pinned just
-  before the transfer is posted, so a transfer that ends under a held pin needs no round trip;
-- CONFIRMING: without a held pin the prefill side is asked whether its lease held until the read ended;
-  only its COMPLETED makes the pull DONE (fail closed).
+- WAIT_PEER: the peer (`peers.py`) is handshaking; a pull naming another incarnation, or a disconnect, drops the
+  stale peer and handshakes again;
+- POSTED: the peer's transport (`transports/`) moves the blocks; with `pin_reads` the lease is pinned just before
+  the transfer is posted, so a transfer that ends under a held pin needs no round trip;
+- CONFIRMING: without a held pin the prefill side is asked whether its lease held until the read ended; only its
+  COMPLETED makes the pull DONE (fail closed).
 
-Every pull ends by its deadline whatever its peer is doing (`_sweep_deadlines`); params that disagree with
-a known peer are checked before it is replaced (`claims.py`). A request read from several prefill ranks
-(heterogeneous TP) runs as one pull per rank, joined by a `PullGroup`.
+Every pull ends by its deadline whatever its peer is doing (`_sweep_deadlines`); params that disagree with a known
+peer are checked before it is replaced (`claims.py`). A request read from several prefill ranks (heterogeneous TP)
+runs as one pull per rank, joined by a `PullGroup`. With nothing in flight (`quiet`) the loop thread ticks rarely.
 """
 
 from __future__ import annotations
@@ -109,9 +109,12 @@ class DecodeSide:
 
     # --- inside a tick -----------------------------------------------------------------------------
 
-    def busy(self) -> bool:
-        """True while a transfer or a confirmation is in flight: the loop then spins instead of sleeping."""
+    def busy(self) -> bool:  # a transfer or a confirmation in flight: the loop then spins instead of sleeping
         return bool(self._posted) or any(peer.confirming for peer in self.peers.all())
+
+    def quiet(self) -> bool:  # nothing waits for a tick: no transfer, handshake, confirmation, claim or release
+        busy = self._posted or self._staging_wait or self.claims or self.abandoned or self.peers.short
+        return not (busy or self._confirm.pending or any(peer.waiting or peer.confirming for peer in self.peers.all()))
 
     def _start(self, pull: Pull) -> None:
         pull.handle.stats.queued_s = time.monotonic() - pull.requested_s
