@@ -58,7 +58,6 @@ class Loop:
         self._serve = serve
         self._busy = busy
         self._quiet = quiet
-        self.ticks = 0  # ticks the loop thread ran
         self._tick_ms = max(int(poll_interval_s * 1000), 1)
         self._cpus = cpus
         self._device = device
@@ -119,7 +118,6 @@ class Loop:
                     if self._sock in ready:
                         self._serve()
                     self.tick()
-                    self.ticks += 1
             except Exception:  # keep serving; the failing pull or message was already answered
                 log.exception("kvconnect loop iteration failed")
 
