@@ -33,7 +33,8 @@ import uuid
 from pathlib import Path
 
 from kvconnect.bench.ceiling import CopyCeiling
-from kvconnect.bench.gpu_pd import PAIRS, VLLM, deltas, histogram_sums, pair_servers, summary, transfer_side
+from kvconnect.bench.gpu_pd import PAIRS, VLLM, deltas, pair_servers, summary, transfer_side
+from kvconnect.bench.vllm_pd import scrape_sums
 from kvconnect.harness.tiny_llama import TinyLlama, build
 from kvconnect.harness.vllm_cluster import Server, VllmCluster, generate
 from kvconnect.verdict.ucx_tables import parse_proto_tables
@@ -71,7 +72,7 @@ def main() -> None:
             prompt = [rng.randrange(10, vocab) for _ in range(n)]
             rid = {"x-request-id": f"h2h-{uuid.uuid4().hex}"}
             if name == "plain":
-                before = histogram_sums(c.urls["plain"], VLLM)
+                before = scrape_sums(c.urls["plain"], VLLM)
                 got = generate(c.urls["plain"], prompt, args.output, stream=True, headers=rid)
                 assert got["status"] == 200, got
                 return {**_settled(c.urls["plain"], VLLM, before, "ttft_server_s"), "ttft_s": got["ttft_s"]}
@@ -80,7 +81,7 @@ def main() -> None:
             remote = {"kv_transfer_params": {"do_remote_decode": True}}
             leg = generate(prefill, prompt, 1, extra=remote, headers=rid)  # type: ignore[arg-type]  # (token ids)
             assert leg["status"] == 200, leg
-            before_x, before_v = histogram_sums(reporter, series), histogram_sums(decode, VLLM)
+            before_x, before_v = scrape_sums(reporter, series), scrape_sums(decode, VLLM)
             params = {"kv_transfer_params": leg["kv_transfer_params"]}
             got = generate(decode, prompt, args.output, stream=True, extra=params, headers=rid)  # type: ignore[arg-type]
             assert got["status"] == 200, got
@@ -134,7 +135,7 @@ def _settled(url: str, series: dict[str, str], before: dict[str, tuple[float, fl
     """The request's deltas, once its `key` histogram has counted it (stats reach /metrics a step later)."""
     deadline = time.monotonic() + 3
     while True:
-        after = histogram_sums(url, series)
+        after = scrape_sums(url, series)
         if after[key][1] > before[key][1] or time.monotonic() > deadline:
             return deltas(before, after)
         time.sleep(0.05)

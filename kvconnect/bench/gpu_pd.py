@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
-
 from kvconnect.harness.vllm_cluster import Server, connector_json, kvconnect_config
 
 PAIRS = ("kvconnect", "kvconnect-nixl", "nixl", "push")
@@ -71,21 +69,6 @@ def transfer_side(name: str) -> tuple[str, dict[str, str]]:
     if name == "push":
         return "prefill", NIXL
     return "decode", (KVCONNECT if name.startswith("kvconnect") else NIXL)
-
-
-def histogram_sums(url: str, names: dict[str, str]) -> dict[str, tuple[float, float]]:
-    """(sum, count) of each histogram, over all its label sets; (0, 0) where the server has none."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    wanted = {v: k for k, v in names.items()}
-    out = {k: (0.0, 0.0) for k in names}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        key = wanted.get(family.name)
-        if key is not None:
-            total = sum(s.value for s in family.samples if s.name.endswith("_sum"))
-            count = sum(s.value for s in family.samples if s.name.endswith("_count"))
-            out[key] = (total, count)
-    return out
 
 
 def deltas(
