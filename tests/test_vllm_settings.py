@@ -80,13 +80,14 @@ def test_a_kv_producer_pulls_nothing_for_a_clients_do_remote_prefill() -> None:
     assert consumer.get_num_new_matched_tokens(Req(dict(params)), 0) == (65, True)
 
 
-def test_kv_cache_groups_move_whole_or_as_a_windows_tail_and_other_kinds_stop_start_up() -> None:
+def test_kv_cache_groups_move_whole_as_a_windows_tail_or_as_one_state_block_and_other_kinds_stop_start_up() -> None:
     """vLLM's KV cache groups (the hybrid KV cache manager): full attention moves every block, a sliding
-    window its tail (null placeholders dropped); a kind kvconnect cannot move stops start-up in one line
-    naming the group's layers and spec. vLLM's own spec classes, not look-alikes."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+    window its tail (null placeholders dropped), a Mamba state group its state block only (not the scratch
+    blocks of speculative decoding); a kind kvconnect cannot move stops start-up in one line naming the group's
+    layers and spec. vLLM's own spec classes, not look-alikes."""
+    from vllm.v1.kv_cache_interface import CrossAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
-    from kvconnect.vllm.groups import group_moves
+    from kvconnect.vllm.groups import backoff, group_moves
 
     class Group:
         def __init__(self, spec: Any, names: list[str]) -> None:
@@ -108,12 +109,54 @@ def test_kv_cache_groups_move_whole_or_as_a_windows_tail_and_other_kinds_stop_st
     assert moves[0].trim([0, 0, 0, 0, 5, 6, 7]) == [5, 6, 7] and moves[0].trim([9, 10, 11, 12]) == [10, 11, 12]
     assert moves[1].trim([8, 9, 10]) == [8, 9, 10]
     assert [m.keep_blocks for m in group_moves(None)] == [0]  # (an older caller: one full group)
-    mamba = Group(spec(MambaSpec), [f"model.layers.{i}.mixer" for i in (0, 2, 4, 6)])
+    assert backoff(moves) == backoff(group_moves(None)) == 0
+    mamba = Group(spec(MambaSpec, num_speculative_blocks=2), ["model.layers.0.mixer"])
+    moves = group_moves(config(Group(full, ["model.layers.1.attn"]), mamba))
+    assert [m.state for m in moves] == [False, True] and backoff(moves) == 1
+    # (the state block, then 2 scratch blocks; "align" mode: null placeholders before the running state)
+    assert moves[1].trim([21, 22, 23]) == [21] and moves[1].trim([0, 0, 5, 6, 7, 8]) == [6]
+    assert moves[1].trim([9]) == [9] and moves[1].trim([9, 10]) == [9] and moves[1].trim([]) == []
+    cross = Group(spec(CrossAttentionSpec), [f"model.layers.{i}.cross" for i in (0, 2, 4, 6)])
     with pytest.raises(ConfigError) as e:
-        group_moves(config(Group(full, ["model.layers.1.attn"]), mamba))
+        group_moves(config(Group(full, ["model.layers.1.attn"]), cross))
     message = str(e.value)
-    assert "\n" not in message and "KV cache group 1 (model.layers.0.mixer" in message and "MambaSpec" in message
-    assert "and 1 more" in message and "sliding-window" in message
+    assert "\n" not in message and "KV cache group 1 (model.layers.0.cross" in message
+    assert "CrossAttentionSpec" in message and "and 1 more" in message and "MambaSpec" in message
+
+
+def test_a_model_with_state_prefills_all_but_the_last_token_and_the_decode_loads_as_much() -> None:
+    """A Mamba state cannot be rewound: the prefill leg stops one token short (once), its lease and prompt
+    digest cover those tokens, and the decode loads them and computes the last token itself."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    from kvconnect.core.plan.params import prompt_digest
+    from kvconnect.vllm.groups import GroupMove
+
+    moves = (GroupMove(FullAttentionSpec.__name__), GroupMove(MambaSpec.__name__, state=True, scratch_blocks=1))
+    producer = SchedulerSide(read_settings(Cfg({}, role="kv_producer")), moves)
+    leg = Req({"do_remote_decode": True})
+    leg._all_token_ids = list(leg.prompt_token_ids)
+    producer.on_new_request(leg)
+    producer.on_new_request(leg)  # (vLLM may add a preempted request again: never shortened twice)
+    assert (leg.num_prompt_tokens, len(leg.prompt_token_ids), len(leg._all_token_ids)) == (64, 64, 64)
+    leg.num_computed_tokens = 64
+    _, params = producer.request_finished(leg, ([1, 2], [9, 10]))  # (a state block and a scratch block)
+    assert params is not None and params["remote_block_ids"] == [1, 2, 9] and params["remote_num_tokens"] == 64
+    lease = producer.build_connector_meta(1).leases[0]
+    assert lease.prompt_digest == prompt_digest(list(range(64)), None)
+    plain = SchedulerSide(read_settings(Cfg({}, role="kv_producer")))
+    untouched = Req({"do_remote_decode": True})
+    plain.on_new_request(untouched)  # (attention only: the decode computes the last token's KV again)
+    assert untouched.num_prompt_tokens == 65
+
+    consumer = SchedulerSide(read_settings(Cfg({}, role="kv_consumer")), moves)
+    pull = {**params, "do_remote_prefill": True, "remote_host": "h", "remote_port": 5600}
+    assert consumer.get_num_new_matched_tokens(Req(dict(pull)), 0) == (64, True)
+    assert consumer.get_num_new_matched_tokens(Req(dict(pull)), 64) == (0, False)
+    consumer.update_state_after_alloc(Req(dict(pull)), Blocks([[30, 31], [40, 41]]), 64)
+    order = consumer.build_connector_meta(0).pulls[0]
+    assert order.local_block_ids == [[30, 31], [40]] and order.num_prompt_tokens == 64
+    assert order.prompt_digest == lease.prompt_digest and order.refused is None
 
 
 # --- a drop-in for NixlConnector deployments -------------------------------------------------------------

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-GEOMETRIES = {
+GEOMETRIES: dict[str, tuple[Any, ...]] = {
     # name: the test default (GQA, small) and a realistic KV geometry for benchmarks (8 KV heads x 128)
     "tiny": (256, 8, 4, 4, 512),  # hidden, heads, kv heads, layers, intermediate -> head_dim 32
     "kv8x128": (1024, 8, 8, 4, 1024),  # head_dim 128: one 32-token block is 128 KiB per layer in bf16
@@ -31,6 +31,8 @@ GEOMETRIES = {
     "tiny-mla": (256, 4, 4, 4, 512, 2048, 8192, 0, 0, 512, 64),
     # DeepSeek-V3's KV cache shape: 61 layers of the 576-value latent, 128-value heads (dense MLP, 8 heads)
     "v3-mla": (1024, 8, 8, 61, 512, 2048, 8192, 0, 0, 512, 64),  # (qk_nope = v_head = 128: what GPU MLA kernels take)
+    # a Nemotron-H style Mamba2 hybrid: 3 Mamba2 layers and 1 attention layer (M: Mamba2, *: attention, -: MLP)
+    "tiny-mamba": (256, 8, 4, 4, 512, 2048, 8192, 0, 0, 0, 64, "M-*-M-M-"),
 }
 MARKER = "kvconnect-tiny-llama.json"
 
@@ -48,6 +50,9 @@ class TinyLlama:
     sliding_window: int = 0  # > 0: a Gemma 3 text model, even layers sliding-window, odd ones full attention
     kv_lora_rank: int = 0  # > 0: a DeepSeek-V2 model with MLA (latent of kv_lora_rank + rope_dim per token)
     rope_dim: int = 64
+    # non-empty: a Nemotron-H model (Mamba2 + attention hybrid), one letter per layer: M Mamba2, * attention,
+    # - MLP (`layers` then counts the attention layers, for the KV geometry)
+    mamba_pattern: str = ""
 
     @classmethod
     def named(cls, name: str) -> TinyLlama:
@@ -97,8 +102,9 @@ def build(directory: str | Path, model: TinyLlama) -> Path:
         "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
     torch.manual_seed(model.seed)
-    if model.sliding_window or model.kv_lora_rank:
-        (_save_mla if model.kv_lora_rank else _save_gemma3)(out, model, hf_tok)
+    if model.sliding_window or model.kv_lora_rank or model.mamba_pattern:
+        save = _save_mla if model.kv_lora_rank else _save_mamba if model.mamba_pattern else _save_gemma3
+        save(out, model, hf_tok)
         marker.write_text(json.dumps(asdict(model)))
         return out
     cfg = LlamaConfig(**_shape(model, hf_tok), tie_word_embeddings=False)
@@ -171,3 +177,29 @@ def _save_mla(out: Path, model: TinyLlama, hf_tok: Any) -> None:
     net: Any = DeepseekV2ForCausalLM(cfg)
     net.to(torch.bfloat16).save_pretrained(out)
     hf_tok.save_pretrained(out)
+
+
+def _save_mamba(out: Path, model: TinyLlama, hf_tok: Any) -> None:
+    import torch
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    shape = _shape(model, hf_tok)
+    shape.pop("num_hidden_layers")
+    cfg = NemotronHConfig(  # type: ignore[call-arg]  # (the pattern: a keyword the config converts)
+        **shape,
+        hybrid_override_pattern=model.mamba_pattern,
+        mamba_num_heads=model.heads,
+        mamba_head_dim=model.head_dim,
+        n_groups=2,
+        ssm_state_size=16,
+        conv_kernel=4,
+        chunk_size=64,
+        tie_word_embeddings=False,
+    )
+    net: Any = NemotronHForCausalLM(cfg)
+    net.to(torch.bfloat16).save_pretrained(out)
+    hf_tok.save_pretrained(out)
+    # (transformers 5 saves only `layers_block_type`; older releases, as GPU vLLM builds ship, read the pattern)
+    saved = json.loads((out / "config.json").read_text())
+    saved.update(hybrid_override_pattern=model.mamba_pattern, num_hidden_layers=len(model.mamba_pattern))
+    (out / "config.json").write_text(json.dumps(saved, indent=2))

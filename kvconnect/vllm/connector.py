@@ -11,8 +11,10 @@ each delegates to its half (`scheduler.py`, `worker.py`). Hooks left at the base
 - `save_kv_layer`, `wait_for_save`: nothing is pushed. The prefill's KV stays in vLLM's paged cache,
   leased, and the decode reads it with one NIXL READ.
 - HMA (`SupportsHMA`): claimed where vLLM defines it (`compat.py`), so a hybrid model (sliding-window +
-  full attention) keeps its KV cache groups: `request_finished_all_groups` leases each group's blocks
-  (`groups.py`: a sliding window's tail only). A group of a kind the plug-in cannot move stops start-up.
+  full attention, or Mamba / linear-attention state + attention) keeps its KV cache groups:
+  `request_finished_all_groups` leases each group's blocks (`groups.py`: a sliding window's tail only, a
+  state group's state block only). A group of a kind the plug-in cannot move stops start-up.
+- `on_new_request`: the prefill of a model with state computes all but the prompt's last token (`groups.py`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvconnect.core.config import env_choice
 from kvconnect.core.errors import LayoutError
 from kvconnect.vllm.compat import check_version, detect
-from kvconnect.vllm.groups import group_moves
+from kvconnect.vllm.groups import group_moves, state_layers
 from kvconnect.vllm.layout import cross_layer_views
 from kvconnect.vllm.metadata import StepOrders
 from kvconnect.vllm.scheduler import SchedulerSide
@@ -58,8 +60,8 @@ _HMA: tuple[type, ...] = (vllm_base.SupportsHMA,) if API.hma else ()  # (claimed
 
 SUPPORTED_FAMILIES = (
     "kvconnect moves dense and GQA attention (Llama, Qwen, Mistral), sliding-window + full attention hybrids "
-    "(gpt-oss, Gemma 3) and MLA latent caches (DeepSeek, Kimi, GLM); Mamba and linear-attention state is not "
-    "supported yet"
+    "(gpt-oss, Gemma 3), Mamba / linear-attention hybrids with equal TP sizes (Nemotron-H, Qwen3-Next) and MLA "
+    "latent caches (DeepSeek, Kimi, GLM)"
 )
 
 
@@ -138,13 +140,14 @@ class KVConnectConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]  # (b
         return self._worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        first = next(iter(kv_caches.values()))
         latent = self._latent
-        page = _page_format(self._vllm_config, first.dtype, self._model.get_head_size(), latent)
+        states, held = state_layers(self._kv_cache_config)
+        first = next(t for name, t in kv_caches.items() if name not in states)
+        page = _page_format(self._vllm_config, first.dtype, self._model.get_head_size(), latent) + held
         num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else first.shape[0]
         try:
             self._worker_side().register_kv_caches(
-                kv_caches, num_blocks, self._settings.block_size, self._settings.tp_size, page, latent
+                kv_caches, num_blocks, self._settings.block_size, self._settings.tp_size, page, latent, states
             )
         except LayoutError as e:
             raise family_refusal(e, self._model, latent) from e
@@ -205,6 +208,9 @@ class KVConnectConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]  # (b
     def _scheduler_side(self) -> SchedulerSide:
         assert self._scheduler is not None, "a scheduler hook was called on a worker's connector"
         return self._scheduler
+
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler_side().on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)

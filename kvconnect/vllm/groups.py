@@ -5,11 +5,16 @@ A hybrid model's layers fall into groups by their cache spec, each with its own 
 - full attention (`FullAttentionSpec` and its kinds): every block of the prompt moves (less what the
   decode's own prefix cache holds);
 - sliding-window attention (`SlidingWindowSpec`): only the window's tail moves, the last
-  cdiv(window, block_size) + 1 blocks; vLLM has already swapped the blocks before it for its null block.
+  cdiv(window, block_size) + 1 blocks; vLLM has already swapped the blocks before it for its null block;
+- Mamba and linear-attention state (`MambaSpec`: Mamba1/2, GDN, short convolutions): one block holds a
+  request's whole state (conv + SSM) after its last computed token; only that block moves (scratch blocks
+  for speculative decoding and the null placeholders of vLLM's "align" cache mode stay). A state cannot be
+  rewound, so the prefill of a model with state computes all but the prompt's last token (`BACKOFF`) and the
+  decode computes that token itself from the state it pulled.
 
-Any other spec (Mamba or linear-attention state, chunked local attention, cross-attention, ...) stops
-start-up with one line naming the group's layers, the spec and what is supported. Specs are recognised by
-their class names (vLLM moves its classes between releases), subclasses included.
+Any other spec (chunked local attention, cross-attention, ...) stops start-up with one line naming the
+group's layers, the spec and what is supported. Specs are recognised by their class names (vLLM moves its
+classes between releases), subclasses included.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from kvconnect.core.errors import ConfigError
 NULL_BLOCK_ID = 0  # vLLM's block pool keeps block 0 as its null block: a placeholder, never a request's KV
 FULL = ("FullAttentionSpec",)
 SLIDING = ("SlidingWindowSpec",)
+STATE = ("MambaSpec",)
+BACKOFF = 1  # prompt tokens a model with state leaves to the decode (the state after all but the last)
 
 
 @dataclass(frozen=True)
@@ -31,11 +38,22 @@ class GroupMove:
 
     spec: str  # the spec's class name (logs)
     keep_blocks: int = 0  # 0: every block; n: the last n (a sliding window's tail)
+    state: bool = False  # a Mamba / linear-attention state group: one block holds the request's state
+    scratch_blocks: int = 0  # (state) blocks after the state's, for speculative decoding: never moved
 
     def trim(self, block_ids: Sequence[int]) -> list[int]:
         """The blocks of this group that move, in token order (null placeholders dropped)."""
         ids = [int(b) for b in block_ids if int(b) != NULL_BLOCK_ID]
+        if self.state:
+            scratch = min(self.scratch_blocks, max(len(ids) - 1, 0))
+            return ids[: len(ids) - scratch][-1:]
         return ids[-self.keep_blocks :] if self.keep_blocks else ids
+
+
+def backoff(moves: Sequence[GroupMove]) -> int:
+    """Prompt tokens the prefill leaves for the decode to compute: `BACKOFF` for a model with state, else 0
+    (attention KV of the last token is simply computed again)."""
+    return BACKOFF if any(m.state for m in moves) else 0
 
 
 def _kinds(spec: Any) -> set[str]:
@@ -57,12 +75,32 @@ def group_moves(kv_cache_config: Any) -> tuple[GroupMove, ...]:
             moves.append(GroupMove(name, -(-window // block_size) + 1))
         elif kinds & set(FULL):
             moves.append(GroupMove(name))
+        elif kinds & set(STATE):
+            moves.append(GroupMove(name, state=True, scratch_blocks=int(getattr(spec, "num_speculative_blocks", 0))))
         else:
             layers = list(getattr(group, "layer_names", []))
             shown = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
             raise ConfigError(
                 f"kvconnect: KV cache group {i} ({shown}) is {name}; kvconnect moves full-attention and "
-                "sliding-window attention caches (Mamba and linear-attention state, chunked local attention "
-                "and cross-attention are not supported yet)"
+                "sliding-window attention caches and Mamba / linear-attention state (MambaSpec); chunked "
+                "local attention and cross-attention are not supported yet"
             )
     return tuple(moves)
+
+
+def state_layers(kv_cache_config: Any) -> tuple[frozenset[str], str]:
+    """The layers of the state groups of `kv_cache_config`, and what their pages hold, for the page format
+    ("" when none): the state kind, shapes and dtypes per layer kind (vLLM's conv-state layout, SD or DS, shows
+    as the order of the conv shape), so that only peers whose states are laid out alike exchange pages."""
+    names: set[str] = set()
+    kinds: set[str] = set()
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+        spec = group.kv_cache_spec
+        if not _kinds(spec) & set(STATE):
+            continue
+        names.update(group.layer_names)
+        kind = getattr(getattr(spec, "mamba_type", None), "name", type(spec).__name__)
+        shapes = "/".join("x".join(str(n) for n in shape) for shape in spec.shapes)
+        dtypes = "/".join(str(d).removeprefix("torch.") for d in spec.dtypes)
+        kinds.add(f"{kind}:{shapes}:{dtypes}")
+    return frozenset(names), (f"+state({';'.join(sorted(kinds))})" if kinds else "")

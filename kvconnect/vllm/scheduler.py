@@ -12,6 +12,10 @@ already fill; one pull order per request. A request aborted before it was schedu
 prompt the local prefix cache holds, gets its remote lease released instead. The client's params are
 parsed here once; invalid ones never raise here (the scheduler must not): the order carries the refusal,
 the worker fails the load naming the field, and vLLM's own failure policy applies.
+
+A model with Mamba / linear-attention state (`groups.py`) cannot rewind its state by a token: its prefill
+computes all but the prompt's last token (`on_new_request` shortens the prompt, as NixlConnector does), the
+lease and the prompt digest cover those tokens, and the decode loads them and computes the last one itself.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from kvconnect.core.errors import InvalidRequestError
 from kvconnect.core.plan.groups import GroupedBlocks
 from kvconnect.core.plan.params import KVTransferParams, lease_params, parse_kv_transfer_params, prompt_digest
 from kvconnect.core.prefill.record import new_lease_id
-from kvconnect.vllm.groups import NULL_BLOCK_ID, GroupMove
+from kvconnect.vllm.groups import NULL_BLOCK_ID, GroupMove, backoff
 from kvconnect.vllm.metadata import LeaseOrder, PullOrder, StepOrders, WorkerHello
 from kvconnect.vllm.settings import VllmSettings
 
@@ -50,12 +54,25 @@ def _unhashed(blocks: KVCacheBlocks) -> list[list[int]]:
     return [[int(b) for b in g if int(b) != NULL_BLOCK_ID] for g in groups]
 
 
-def _prompt_digest(request: Request) -> bytes:
-    """The digest binding a lease to the request's prompt and cache salt (b"": a prompt without token ids)."""
+def _prompt_digest(request: Request, backoff: int = 0) -> bytes:
+    """The digest binding a lease to the request's prompt (less the last `backoff` tokens, which the decode
+    computes itself) and cache salt (b"": a prompt without token ids)."""
     token_ids = getattr(request, "prompt_token_ids", None)
     if token_ids is None:
         return b""
-    return prompt_digest(token_ids, getattr(request, "cache_salt", None))
+    return prompt_digest(token_ids[: len(token_ids) - backoff], getattr(request, "cache_salt", None))
+
+
+def _shorten(request: Request, backoff: int) -> bool:
+    """Drop the prompt's last `backoff` tokens from a prefill leg (never twice, never below one token)."""
+    token_ids = getattr(request, "prompt_token_ids", None)
+    if not backoff or token_ids is None or request.num_prompt_tokens <= backoff:
+        return False
+    del token_ids[-backoff:]
+    del request._all_token_ids[-backoff:]
+    request.num_prompt_tokens -= backoff
+    request.max_tokens = 1
+    return True
 
 
 def _parsed(raw: dict[str, Any]) -> tuple[KVTransferParams | None, tuple[str, str] | None]:
@@ -72,6 +89,8 @@ class SchedulerSide:
     ) -> None:
         self._settings = settings
         self._moves = moves  # per KV cache group, which of its blocks move (groups.py)
+        self._backoff = backoff(moves)  # prompt tokens a prefill leaves to the decode (a model with state)
+        self._shortened: set[str] = set()  # prefill legs whose prompt on_new_request shortened
         self._orders = StepOrders()
         self._hello: dict[int, WorkerHello] = {}  # by TP rank
         self._refusals = 0  # requests that asked for what this engine's kv_role does not do
@@ -100,14 +119,28 @@ class SchedulerSide:
         ports = {rank: h.side_channel_port for rank, h in sorted(self._hello.items())}
         log.info("kvconnect: workers' side channels %s", ports)
 
+    # --- prefill -----------------------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        """A prefill leg of a model with state computes all but the prompt's last `backoff` tokens: the state
+        the decode pulls must be the one before the token it computes itself."""
+        params = request.kv_transfer_params
+        if not self._backoff or not params or not params.get("do_remote_decode"):
+            return
+        if self._settings.role == "kv_consumer":  # (it leases nothing: request_finished logs the refusal)
+            return
+        if request.request_id not in self._shortened and _shorten(request, self._backoff):
+            self._shortened.add(request.request_id)
+
     # --- decode ------------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens to load from the remote prefill (asynchronously), beyond the local prefix-cache hit."""
+        """Tokens to load from the remote prefill (asynchronously), beyond the local prefix-cache hit (a model
+        with state: all but the last `backoff` prompt tokens, which the decode computes from the pulled state)."""
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill") or not self._may("do_remote_prefill", request):
             return 0, False
-        count = request.num_prompt_tokens - num_computed_tokens
+        count = request.num_prompt_tokens - self._backoff - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -118,6 +151,8 @@ class SchedulerSide:
         params["do_remote_prefill"] = False  # one load per request (this is called again once it is scheduled)
         if num_external_tokens > 0:
             local = _unhashed(blocks)
+            if len(local) == len(self._moves):  # (a state group receives into its state block only)
+                local = [move.trim(g) if move.state else g for move, g in zip(self._moves, local, strict=True)]
             if len(local) != len(self._moves) and refused is None:  # (the worker fails the load naming it)
                 refused = ("kv_transfer_params", f"{len(local)} KV cache groups allocated, {len(self._moves)} known")
             self._orders.pulls.append(
@@ -125,10 +160,10 @@ class SchedulerSide:
                     request.request_id,
                     parsed,
                     local,
-                    request.num_prompt_tokens,
-                    request.num_prompt_tokens - num_external_tokens,
+                    request.num_prompt_tokens - self._backoff,
+                    request.num_prompt_tokens - self._backoff - num_external_tokens,
                     refused,
-                    _prompt_digest(request),
+                    _prompt_digest(request, self._backoff),
                     float(getattr(request, "arrival_time", 0.0) or 0.0),
                 )
             )
@@ -149,6 +184,7 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         """`block_ids`: per KV cache group (one list for a model of one group)."""
         params = request.kv_transfer_params
+        self._shortened.discard(request.request_id)
         if not params:
             return False, None
         if params.get("do_remote_prefill") and self._settings.role != "kv_producer":  # aborted before scheduled:

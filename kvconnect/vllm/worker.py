@@ -93,6 +93,7 @@ class WorkerSide:
         tp_size: int,
         page: str,
         latent: bool = False,
+        state_layers: frozenset[str] = frozenset(),
     ) -> None:
         described = describe(
             kv_caches,
@@ -103,6 +104,7 @@ class WorkerSide:
             total_kv_heads=self._total_kv_heads,
             page=page,
             latent=latent,
+            state_layers=state_layers,
         )
         self.connector = KVConnector(
             described.cache,
@@ -112,7 +114,7 @@ class WorkerSide:
             faults=self._faults,
         )
         spec = described.cache.spec
-        first = next(iter(kv_caches.values()))
+        first = kv_caches[described.layer_names[0]]
         log.info(
             "kvconnect: rank %d registered %d layers (%s, %s, %d blocks of %d tokens, %.1f MiB; vLLM's tensor "
             "%s %s strides %s on %s); side channel port %d",

@@ -36,6 +36,7 @@ from kvconnect.core.plan.layout import (
     Granularity,
     UnitTable,
     check_compatible,
+    holds_state,
     rank_heads,
     same_block_shape,
     tp_problem,
@@ -202,6 +203,12 @@ def head_run_pair(local: CacheSpec, remote: CacheSpec, heads: tuple[int, int]) -
     """Engine pages (`CacheSpec.page`) of different TP sizes: each block's run of `heads` moves as one piece per
     layer. The pages' interior is the engine's, so only whole heads of equal pages can move: the block sizes
     must match and heads must be the pages' outer dimension (token_layout HND) on both sides."""
+    if holds_state(local.page) or holds_state(remote.page):
+        raise LayoutMismatchError(
+            {"tp_size": (local.tp_size, remote.tp_size)},
+            f"{local.page} pages hold Mamba / linear-attention state beside K and V: they move whole, between "
+            "workers of the same tensor-parallel size only",
+        )
     mismatch = {
         name: (getattr(local, name), getattr(remote, name))
         for name in ("block_size", "token_layout")

@@ -284,6 +284,11 @@ def unit_table(spec: CacheSpec, granularity: Granularity) -> UnitTable:
     return UnitTable(granularity, region, offset, half, spec.block_stride_bytes)
 
 
+def holds_state(page: str) -> bool:
+    """Whether an engine page format names state beside K and V (a Mamba hybrid's pages: "...+state(...)")."""
+    return "+state(" in page
+
+
 def pair_granularity(local: CacheSpec, remote: CacheSpec) -> Granularity:
     """The coarsest unit both layouts hold contiguously."""
     return max(local.natural_granularity, remote.natural_granularity)
