@@ -1,7 +1,8 @@
 """GPU vLLM P/D on one GPU: kvconnect's plug-in against vLLM's NixlConnector on the same prompts.
 
-    python benchmarks/vllm_pd_gpu.py OUT_DIR [--prompts 16] [--model tiny|tiny-swa|oss-attn|v3-mla] [--block-size 32]
-                                     [--lengths 8,40,...] [--vllm-arg=--kv-cache-dtype --vllm-arg=fp8]
+    python benchmarks/vllm_pd_gpu.py OUT_DIR [--prompts 16] [--model tiny|tiny-swa|oss-attn|v3-mla|tiny-mamba|...]
+                                     [--block-size 32] [--lengths 8,40,...] [--vllm-arg=--kv-cache-dtype --vllm-arg=fp8]
+                                     [--env VLLM_SSM_CONV_STATE_LAYOUT=DS]
 
 Starts, on the one GPU, an aggregated vLLM server, a prefill + decode pair with kvconnect's plug-in and a
 prefill + decode pair with vLLM's NixlConnector, each pair behind kvconnect's proxy (the same wire drives
@@ -9,7 +10,9 @@ both), in vLLM's default mode unless --enforce-eager. A generated model (random 
 tokenizer), bf16, the FLASH_ATTN backend: a tiny Llama, or a hybrid one (`tiny-swa`: a Gemma 3 of 4 layers
 alternating a 64-token window and full attention; `oss-attn`: gpt-oss-120b's attention shape, 36 layers
 alternating a 128-token window and full attention, 8 KV heads x 64), or an MLA one (`v3-mla`: a DeepSeek-V2 of
-61 layers with DeepSeek-V3's 576-value latent, dense MLP). kvconnect's KV digest is on. Per
+61 layers with DeepSeek-V3's 576-value latent, dense MLP), or a Mamba2 hybrid (`tiny-mamba`: a Nemotron-H of 3
+Mamba2 layers and 1 attention layer; `nemotron-h-state`: Nemotron-H 8B's cache, 24 Mamba2 layers with a
+4 MiB SSM state each and 4 attention layers of 8 KV heads x 128). kvconnect's KV digest is on. Per
 request it prints each decode's pulled bytes, descriptors and transfer time (and kvconnect's requested ->
 usable time), from their /metrics before and after it.
 Greedy prompts of 1 to ~1,500 tokens, completions and chat, streamed and not, go through both proxies;
@@ -71,30 +74,38 @@ def main() -> None:
     ap.add_argument("--model", default="tiny", help="a name of kvconnect.harness.tiny_llama's GEOMETRIES")
     ap.add_argument("--vllm-arg", action="append", default=[], help="one more argument for every server")
     ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        help="NAME=VALUE for every server (e.g. a Mamba model's "
+        "VLLM_SSM_CONV_STATE_LAYOUT=DS, which NixlConnector requires)",
+    )
     ap.add_argument("--lengths", default="", help="prompt lengths in tokens, comma-separated (default: 1-1500)")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else LENGTHS
     args.out.mkdir(parents=True, exist_ok=True)
     gpu_args = GPU_ARGS + args.vllm_arg
+    extra_env = dict(e.split("=", 1) for e in args.env)
     t0 = time.monotonic()
     ckpt = build(args.out / args.model, TinyLlama.named(args.model))
     # NixlConnector on its best path on one GPU: UCX 1.23 turns cuda_ipc reads off without NVLink
     nixl_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on", "UCX_TLS": "all"}
     servers = [
-        Server("aggregated", None, args=gpu_args),
-        Server("kvc-prefill", kvconnect_config("kv_producer"), args=gpu_args, env=KVC_ENV),
-        Server("kvc-decode", kvconnect_config("kv_consumer"), args=gpu_args, env=KVC_ENV),
+        Server("aggregated", None, args=gpu_args, env=extra_env),
+        Server("kvc-prefill", kvconnect_config("kv_producer"), args=gpu_args, env={**KVC_ENV, **extra_env}),
+        Server("kvc-decode", kvconnect_config("kv_consumer"), args=gpu_args, env={**KVC_ENV, **extra_env}),
         Server(
             "nixl-prefill",
             connector_json("NixlConnector", "kv_producer"),
             args=gpu_args,
-            env={**nixl_env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+            env={**nixl_env, **extra_env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
         ),
         Server(
             "nixl-decode",
             connector_json("NixlConnector", "kv_consumer"),
             args=gpu_args,
-            env={**nixl_env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+            env={**nixl_env, **extra_env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
         ),
     ]
     cluster = VllmCluster(

@@ -33,6 +33,9 @@ GEOMETRIES: dict[str, tuple[Any, ...]] = {
     "v3-mla": (1024, 8, 8, 61, 512, 2048, 8192, 0, 0, 512, 64),  # (qk_nope = v_head = 128: what GPU MLA kernels take)
     # a Nemotron-H style Mamba2 hybrid: 3 Mamba2 layers and 1 attention layer (M: Mamba2, *: attention, -: MLP)
     "tiny-mamba": (256, 8, 4, 4, 512, 2048, 8192, 0, 0, 0, 64, "M-*-M-M-"),
+    # Nemotron-H 8B's cache: 24 Mamba2 layers (64 heads x 128 = 8,192 channels, 8 groups, state 128: a 4 MiB
+    # float32 SSM state per layer and request) and 4 attention layers of 8 KV heads x 128; small MLPs
+    "nemotron-h-state": (1024, 8, 8, 4, 512, 2048, 8192, 0, 0, 0, 64, ("M-" * 6 + "*") * 4, 64, 128),
 }
 MARKER = "kvconnect-tiny-llama.json"
 
@@ -53,6 +56,8 @@ class TinyLlama:
     # non-empty: a Nemotron-H model (Mamba2 + attention hybrid), one letter per layer: M Mamba2, * attention,
     # - MLP (`layers` then counts the attention layers, for the KV geometry)
     mamba_pattern: str = ""
+    mamba_heads: int = 0  # Mamba2 heads of head_dim channels each (0: as many as attention heads)
+    ssm_state: int = 16  # SSM state size per channel
 
     @classmethod
     def named(cls, name: str) -> TinyLlama:
@@ -183,15 +188,14 @@ def _save_mamba(out: Path, model: TinyLlama, hf_tok: Any) -> None:
     import torch
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
-    shape = _shape(model, hf_tok)
-    shape.pop("num_hidden_layers")
+    shape = {**_shape(model, hf_tok), "num_hidden_layers": len(model.mamba_pattern)}
     cfg = NemotronHConfig(  # type: ignore[call-arg]  # (the pattern: a keyword the config converts)
         **shape,
         hybrid_override_pattern=model.mamba_pattern,
-        mamba_num_heads=model.heads,
+        mamba_num_heads=model.mamba_heads or model.heads,
         mamba_head_dim=model.head_dim,
-        n_groups=2,
-        ssm_state_size=16,
+        n_groups=8 if model.mamba_heads else 2,
+        ssm_state_size=model.ssm_state,
         conv_kernel=4,
         chunk_size=64,
         tie_word_embeddings=False,
