@@ -4,7 +4,9 @@ Faults: client aborts (the client hangs up after a random delay), forced lease e
 scribbled over (and reads armed to find their lease expired), one SIGKILL + restart of a decode worker and
 one of the prefill worker. Attacks, mixed into the load (`Attacks`): params replayed to a second decode
 after the first one read them, PINs and CONFIRMs with forged read tokens or made-up lease ids, and an
-unauthenticated flood of garbage frames at the prefill's side channel. Two decode workers sit behind the
+unauthenticated flood of garbage frames at the prefill's side channel; and (`soakkit.MoreAttacks`) params
+sent with another prompt, forged incarnations, made-up engine ids, prefill legs nobody decodes and half-sent
+frames held open at the side channel. Two decode workers sit behind the
 proxy: "decode" fails a request whose pull failed, "decode-r" recomputes it. At the end: every completion
 equals the aggregated worker's or failed with an error naming its class; none is wrong and none unexplained;
 no block is leased, allocated or quarantined on any worker; every process stays under RSS_BOUND_BYTES of
@@ -37,6 +39,7 @@ from kvconnect.core.errors import KVConnectError
 from kvconnect.harness.cluster import Cluster
 from kvconnect.serving.server import LEASE_NOT_READABLE
 from tests.faultkit import health, idle, log_text, poll_until, scrape
+from tests.soakkit import MoreAttacks
 
 pytestmark = pytest.mark.cluster  # worker clusters in processes: the full tier (`dev.sh fast` skips them)
 
@@ -428,12 +431,15 @@ def test_soak_with_random_faults(cluster: Cluster) -> None:
 
         t_run = time.monotonic()
         attacks = Attacks(cluster, expected, random.Random(SEED + 2))
+        more = MoreAttacks(urls, PROMPTS, lambda k: expected[(k, False)], max_tokens_for, SEED + 3)
         faults.thread.start()
         attacks.start()
+        more.start()
         try:
             with cf.ThreadPoolExecutor(CONCURRENCY) as pool:
                 list(pool.map(client_request, range(NUM_REQUESTS)))
         finally:
+            more.stop()
             attacks.stop()
             faults.stop()
         run_s = time.monotonic() - t_run
@@ -471,6 +477,8 @@ def test_soak_with_random_faults(cluster: Cluster) -> None:
         "p99_latency_s": percentile(latencies, 0.99),
         "attacks": dict(attacks.counts),
         "attack_errors": attacks.errors,
+        "more_attacks": dict(more.counts),
+        "more_attack_errors": more.errors,
         "forced_expiries": faults.expired,
         "expire_on_read_armed": faults.armed,
         "restarts": faults.restarts,
@@ -499,6 +507,9 @@ def test_soak_with_random_faults(cluster: Cluster) -> None:
     assert attacks.bad == [], attacks.bad[:5]
     assert attacks.counts["replays"] >= 2 and attacks.counts["forged"] >= 4, report  # (workers restart meanwhile)
     assert attacks.counts["flood_frames"] >= 1000, report
+    assert more.bad == [], more.bad[:5]  # (no prompt swap, forged incarnation or engine id read others' KV)
+    for kind in (*MoreAttacks.KINDS, "half_sent"):
+        assert more.counts[kind] >= 2, (kind, report)
     # every completion correct or failed with a named error; none wrong, none unexplained
     assert kinds["wrong"] == 0, [r for r in rows if r["kind"] == "wrong"][:3]
     assert kinds["unclear"] == 0, [(r["rid"], r.get("error")) for r in rows if r["kind"] == "unclear"][:5]
