@@ -14,7 +14,7 @@ import torch
 
 from kvconnect.core.errors import LayoutError, LayoutMismatchError
 from kvconnect.core.plan.hetero import Source, plan_source
-from kvconnect.vllm.layout import describe
+from kvconnect.vllm.state import describe_with_state
 
 BLOCKS, TOKENS, HEADS, HEAD_DIM = 16, 32, 4, 32
 PAGE_BYTES = 2 * TOKENS * HEADS * HEAD_DIM * 2  # K and V of one block in bfloat16
@@ -51,15 +51,15 @@ def caches_026(slots: int = 2) -> tuple[dict[str, object], list[torch.Tensor]]:
 
 
 def describe_026(caches: dict[str, object], tp: int = 1) -> object:
-    return describe(
-        caches,  # type: ignore[arg-type]
+    return describe_with_state(
+        caches,
+        frozenset(n for n in caches if n.endswith("mixer")),
         num_blocks=BLOCKS,
         block_size=TOKENS,
         tp_size=tp,
         tp_rank=0,
         total_kv_heads=HEADS * tp,
         page="vllm:cuda" + STATE,
-        state_layers=frozenset(n for n in caches if n.endswith("mixer")),
     )
 
 
@@ -90,15 +90,15 @@ def test_vllm_032_state_views_over_the_one_allocation() -> None:
     state_bytes = (3 * 320 + 8 * 4 * 16) * 4
     state = torch.as_strided(raw, (BLOCKS, 1, 1, state_bytes), (PAGE_BYTES, state_bytes, state_bytes, 1), 0)
     caches = {f"model.layers.{i}.mixer": state for i in (0, 2, 3)} | {"model.layers.1.attn": attn}
-    d = describe(
+    d = describe_with_state(
         caches,
+        frozenset({"model.layers.0.mixer", "model.layers.2.mixer", "model.layers.3.mixer"}),
         num_blocks=BLOCKS,
         block_size=TOKENS,
         tp_size=1,
         tp_rank=0,
         total_kv_heads=HEADS,
         page="vllm:cpu-vec" + STATE,
-        state_layers=frozenset({"model.layers.0.mixer", "model.layers.2.mixer", "model.layers.3.mixer"}),
     )
     assert (d.cache.spec.num_layers, d.layer_names, d.cache.spec.page) == (
         1,

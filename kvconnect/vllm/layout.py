@@ -30,11 +30,7 @@ consecutive pages: one run, moved whole. With tokens outer in the page (NHD) tha
 `block_size` tokens; with heads outer it is not (`k` runs of heads), so the page format names the kernel
 block size and such pages pair only with the same split and tensor-parallel size.
 
-Mamba and linear-attention state (a hybrid model's state layers): vLLM pads every page of a hybrid model to
-one size and lays each state layer's page (conv state, then SSM state) over an attention layer's page of the
-same block, so a state layer adds no region: `describe(..., state_layers=...)` checks that each one's block b
-lies inside page b of a region (one view per layer on vLLM 0.32, a list of the conv and SSM views on 0.26)
-and refuses one that does not. Moving page b of every region then moves whatever group owns block b.
+Mamba and linear-attention state layers are described by `state.py`, over these regions.
 
 Anything else (pages split by another dimension, padded pages, layers that are not evenly spaced,
 mixed dtypes or shapes) is refused with a `LayoutError` saying which and why. The page's interior is
@@ -49,7 +45,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import torch
 
 from kvconnect.core.cache import TORCH_DTYPES, KVCache
@@ -81,77 +76,10 @@ def describe(
     total_kv_heads: int,
     page: str,
     latent: bool = False,
-    state_layers: frozenset[str] = frozenset(),
 ) -> Described:
     """A kvconnect cache over vLLM's tensors (no copy): the spec and byte views of its regions. `latent`: the
-    model is MLA (vLLM's `model_config.use_mla`), its tensors latent caches. `state_layers`: the layers of
-    Mamba / linear-attention state groups, whose views must overlay the attention layers' pages."""
-    states = {name: kv_caches[name] for name in kv_caches if name in state_layers}
-    attention = {name: t for name, t in kv_caches.items() if name not in state_layers}
-    described = _describe(
-        attention,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        tp_size=tp_size,
-        tp_rank=tp_rank,
-        total_kv_heads=total_kv_heads,
-        page=page,
-        latent=latent,
-    )
-    if not states:
-        return described
-    described = _as_pages(described, page)
-    for name in sorted(states, key=layer_order):
-        _check_state(name, states[name], described.cache)
-    return described
-
-
-def _as_pages(described: Described, page: str) -> Described:
-    """`described` with its blocks read as opaque pages of format `page` (a state layer's bytes share them, so
-    K and V are no longer the only content: nothing may split them by halves or heads)."""
-    spec = described.cache.spec
-    if spec.page:
-        return described
-    if spec.kind is not LayoutKind.BLOCKS_FIRST:
-        raise LayoutError(f"vLLM KV cache of kind {spec.kind.value} beside state layers: expected blocks_first")
-    paged = msgspec.structs.replace(spec, page=page)
-    regions = [_bytes(r, paged.region_shape(), paged.block_stride_bytes) for r in described.cache.regions]
-    return Described(KVCache.from_tensors(paged, regions), described.layer_names, described.layout + " pages")
-
-
-def _check_state(name: str, views: Any, cache: KVCache) -> None:
-    """LayoutError unless every block of state layer `name` (a view, or a list of views: conv, SSM) lies inside
-    the same block's page of one region of `cache`."""
-    spec = cache.spec
-    tensors = list(views) if isinstance(views, (list, tuple)) else [views]
-    where = f"vLLM state layer {name}"
-    if spec.kind is not LayoutKind.BLOCKS_FIRST:
-        raise LayoutError(f"{where}: state layers need one page per block per layer, not {spec.kind.value}")
-    page, bases = spec.block_stride_bytes, cache.base_addrs()
-    for t in tensors:
-        isz = t.element_size()
-        extent = (1 + sum((n - 1) * st for n, st in zip(t.shape[1:], t.stride()[1:], strict=True))) * isz
-        start, stride = int(t.data_ptr()), t.stride(0) * isz
-        inside = [b for b in bases if b <= start and start + extent <= b + page]
-        if t.shape[0] != spec.num_blocks or stride != page or not inside:
-            raise LayoutError(
-                f"{where}: {tuple(t.shape)} {t.dtype} with blocks {stride} bytes apart does not lie inside an "
-                f"attention layer's pages ({spec.num_blocks} blocks of {page} bytes); kvconnect moves state that "
-                "vLLM's hybrid allocation lays over the attention pages"
-            )
-
-
-def _describe(
-    kv_caches: Mapping[str, torch.Tensor],
-    *,
-    num_blocks: int,
-    block_size: int,
-    tp_size: int,
-    tp_rank: int,
-    total_kv_heads: int,
-    page: str,
-    latent: bool,
-) -> Described:
+    model is MLA (vLLM's `model_config.use_mla`), its tensors latent caches. (A hybrid's state layers:
+    `state.describe_with_state`.)"""
     if not kv_caches:
         raise LayoutError("vLLM registered no KV cache tensors")
     names, views = _distinct(tuple(sorted(kv_caches, key=layer_order)), kv_caches)
@@ -255,9 +183,9 @@ def _describe(
     )
     shape = spec.region_shape()
     if kind is LayoutKind.CROSS_LAYER:
-        regions = [_bytes(first, shape, s_block)]
+        regions = [as_bytes(first, shape, s_block)]
     else:
-        regions = [_bytes(t, shape, s_block) for t in views]
+        regions = [as_bytes(t, shape, s_block) for t in views]
     page_order = "NC (MLA latent)" if latent else ("HNC" if heads_outer else "NHC")
     kernel = f", {split} kernel blocks per block" if split > 1 else ""
     return Described(KVCache.from_tensors(spec, regions), names, order + page_order + kernel)
@@ -297,7 +225,7 @@ def _distinct(
     return tuple(n for n, _ in kept.values()), [t for _, t in kept.values()]
 
 
-def _bytes(view: torch.Tensor, shape: tuple[int, ...], block_stride: int) -> torch.Tensor:
+def as_bytes(view: torch.Tensor, shape: tuple[int, ...], block_stride: int) -> torch.Tensor:
     """`view`'s blocks as a (num_blocks, bytes) uint8 tensor over the same memory, starting at its first byte."""
     raw = view.view(torch.uint8)  # (the content dimension is contiguous: this is a view)
     out = torch.as_strided(raw, shape, (block_stride, 1), raw.storage_offset())

@@ -1,8 +1,9 @@
 """Worker side of the plug-in (each vLLM worker process): one `KVConnector` over the KV tensors vLLM
 allocated, driven by the scheduler's step orders. By vLLM hook:
 
-- `register_kv_caches`: the tensors become a kvconnect cache (`layout.describe`, by their strides)
-  registered with NIXL; this rank's side channel listens on the group's base port + TP rank.
+- `register_kv_caches`: the tensors become a kvconnect cache (`layout.describe`, by their strides; a
+  hybrid's state layers: `state.py`) registered with NIXL; this rank's side channel listens on the group's
+  base port + TP rank.
 - `bind_connector_metadata` (before each step's forward): grant leases, release leases nobody will read,
   start pulls. A pull reads only the blocks the local prefix cache missed: the tail of the prefill's list.
 - both drive the connector (`KVConnector.drive`) while this rank has pulls or leases: this thread, which
@@ -37,8 +38,8 @@ from kvconnect.core.plan.groups import GroupedBlocks, tail_pairs
 from kvconnect.core.plan.params import KVTransferParams
 from kvconnect.core.wire.lease_client import release_after_failure
 from kvconnect.core.wire.protocol import LeaseState
-from kvconnect.vllm.layout import describe
 from kvconnect.vllm.metadata import PullOrder, StepOrders, WorkerHello
+from kvconnect.vllm.state import describe_with_state
 from kvconnect.vllm.stats import KVConnectStats, failure_reason, timeline
 
 log = logging.getLogger(__name__)
@@ -95,8 +96,9 @@ class WorkerSide:
         latent: bool = False,
         state_layers: frozenset[str] = frozenset(),
     ) -> None:
-        described = describe(
+        described = describe_with_state(
             kv_caches,
+            state_layers,
             num_blocks=num_blocks,
             block_size=block_size,
             tp_size=tp_size,
@@ -104,7 +106,6 @@ class WorkerSide:
             total_kv_heads=self._total_kv_heads,
             page=page,
             latent=latent,
-            state_layers=state_layers,
         )
         self.connector = KVConnector(
             described.cache,
