@@ -381,7 +381,7 @@ class DecodeSide:
         log.info("dropping peer %s: %s", peer.key, why)
         for pull in [x for x in self._posted if x.peer_key == peer.key]:  # (_fail holds their blocks)
             self._fail(pull, PeerGoneError(f"engine {peer.engine_id} dropped: {why}"))
-        for pull in peer.confirming.values():
+        for pull in list(peer.confirming.values()):  # (_fail releases a pinned pull: that edits `confirming`)
             self._fail(pull, PeerGoneError(f"engine {peer.engine_id} dropped before confirmation: {why}"))
         peer.confirming.clear()
         self.peers.forget(peer, keep_agent=self.abandoned.uses(peer.agent_name))
