@@ -130,3 +130,6 @@ def test_pages_with_state_move_whole_between_equal_tp_sizes_only() -> None:
     with pytest.raises(LayoutMismatchError, match="state") as e:
         plan_source(two, one, Source(0, (0, HEADS // 2), 0, 1))
     assert "tp_size" in str(e.value)
+    ds = msgspec.structs.replace(one, page=one.page.replace("3x320", "320x3"))  # the other conv-state layout
+    with pytest.raises(LayoutMismatchError, match="VLLM_SSM_CONV_STATE_LAYOUT"):
+        plan_source(ds, one, Source(0, (0, HEADS), 0, 1))

@@ -302,7 +302,10 @@ def check_compatible(local: CacheSpec, remote: CacheSpec) -> None:
         if getattr(local, name) != getattr(remote, name)
     }
     if mismatched:
-        raise LayoutMismatchError(mismatched, "the two workers do not serve the same model shape")
+        why = "the two workers do not serve the same model shape"
+        if "page" in mismatched and holds_state(local.page) and holds_state(remote.page):
+            why += " (or lay out its Mamba state differently: vLLM's VLLM_SSM_CONV_STATE_LAYOUT, SD or DS, must match)"
+        raise LayoutMismatchError(mismatched, why)
 
 
 def same_block_shape(local: CacheSpec, remote: CacheSpec) -> bool:
