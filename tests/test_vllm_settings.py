@@ -144,6 +144,10 @@ def test_a_model_with_state_prefills_all_but_the_last_token_and_the_decode_loads
     assert params is not None and params["remote_block_ids"] == [1, 2, 9] and params["remote_num_tokens"] == 64
     lease = producer.build_connector_meta(1).leases[0]
     assert lease.prompt_digest == prompt_digest(list(range(64)), None)
+    embeds = Req({"do_remote_decode": True})
+    embeds.prompt_token_ids = None  # (prompt embeddings: nothing to shorten, so nothing may be leased)
+    producer.on_new_request(embeds)
+    assert producer.request_finished(embeds, ([3], [4])) == (False, None)
     plain = SchedulerSide(read_settings(Cfg({}, role="kv_producer")))
     untouched = Req({"do_remote_decode": True})
     plain.on_new_request(untouched)  # (attention only: the decode computes the last token's KV again)

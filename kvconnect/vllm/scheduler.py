@@ -195,6 +195,14 @@ class SchedulerSide:
             return False, None
         if not params.get("do_remote_decode") or request.status not in _LEASED_ENDS:
             return False, None
+        # (prompt embeddings: the leg was not shortened, so its state covers the last token too; the decode
+        # then computes the whole prompt itself)
+        if self._backoff and getattr(request, "prompt_token_ids", None) is None:
+            log.warning(
+                "kvconnect: request %r has no prompt token ids; a model with state leases nothing for it",
+                str(request.request_id)[:64],
+            )
+            return False, None
         if len(block_ids) != len(self._moves):  # (never seen: vLLM names the groups it was configured with)
             log.error(
                 "kvconnect: request %r: %d KV cache groups, %d known",
