@@ -30,6 +30,9 @@ def describe_with_state(kv_caches: Mapping[str, Any], state_layers: frozenset[st
     described = describe({n: t for n, t in kv_caches.items() if n not in state_layers}, **kw)
     if not states:
         return described
+    kind = described.cache.spec.kind
+    if kind is not LayoutKind.BLOCKS_FIRST:
+        raise LayoutError(f"vLLM state layers beside a {kind.value} KV cache: they need one page per block per layer")
     described = _as_pages(described, kw["page"])
     for name in sorted(states, key=layer_order):
         _check_state(name, states[name], described.cache)
@@ -40,8 +43,6 @@ def _as_pages(described: Described, page: str) -> Described:
     spec = described.cache.spec
     if spec.page:
         return described
-    if spec.kind is not LayoutKind.BLOCKS_FIRST:
-        raise LayoutError(f"vLLM KV cache of kind {spec.kind.value} beside state layers: expected blocks_first")
     paged = msgspec.structs.replace(spec, page=page)
     regions = [as_bytes(r, paged.region_shape(), paged.block_stride_bytes) for r in described.cache.regions]
     return Described(KVCache.from_tensors(paged, regions), described.layer_names, described.layout + " pages")
@@ -49,12 +50,10 @@ def _as_pages(described: Described, page: str) -> Described:
 
 def _check_state(name: str, views: Any, cache: KVCache) -> None:
     """LayoutError unless every block of state layer `name` (a view, or a list of views: conv, SSM) lies inside
-    the same block's page of one region of `cache`."""
+    the same block's page of one region of `cache` (blocks_first: one page per block per layer)."""
     spec = cache.spec
     tensors = list(views) if isinstance(views, (list, tuple)) else [views]
     where = f"vLLM state layer {name}"
-    if spec.kind is not LayoutKind.BLOCKS_FIRST:
-        raise LayoutError(f"{where}: state layers need one page per block per layer, not {spec.kind.value}")
     page, bases = spec.block_stride_bytes, cache.base_addrs()
     for t in tensors:
         isz = t.element_size()
