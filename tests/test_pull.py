@@ -246,6 +246,10 @@ def test_tcp_only_transport_completes_asynchronously() -> None:
             stats = dec.pull(pre.lease(request_id, [5, 9, 13]), [1, 2, 3]).wait(30)
             assert dec.cache.block_bytes(2) == pre.ask("block", 9)
             assert stats.transfer_s > 0
+            # the post's parts (the timeline's DEBUG line splits "picked up -> posted" with them)
+            assert stats.launch_s > 0 and stats.validate_s > 0 and stats.pin_s > 0  # (pins are on by default)
+            assert 0 < stats.pin_rtt_s <= stats.total_s
+            assert stats.validate_s + stats.pin_s + stats.launch_s <= stats.post_s
             poll_until(lambda: pre.ask("state", request_id) == "completed", what="lease completed")
     finally:
         pre.stop()

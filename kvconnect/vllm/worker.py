@@ -11,12 +11,13 @@ allocated, driven by the scheduler's step orders. By vLLM hook:
   interpreter to switch to the loop thread.
 - `transfer_results` (behind `get_finished` / `get_transfer_results`, after each step): on a step with
   nothing to compute (vLLM keeps stepping while a transfer or a lease is pending) it first waits up to
-  `IDLE_WAIT_S` for one to end, driving the connector every `DRIVE_EVERY_S`, so a waiting engine polls
-  instead of spinning two processes at 100 %; then it reports pulls that are usable, or failed and settled
-  (their blocks go to `get_block_ids_with_load_errors` so vLLM's failure policy applies; a failed pull
-  whose READ may still land is held back until it cannot, so vLLM never reuses or recomputes into blocks a
-  late write could hit), and leases that ended (their requests' blocks may be freed). A request vLLM
-  finished while its pull ran (abort) has the pull cancelled; it is reported once its blocks are safe.
+  `IDLE_WAIT_S` for one to end, driving the connector meanwhile (on a CPU cache every `DRIVE_EVERY_S`, so a
+  waiting engine polls instead of spinning two processes at 100 %; on a GPU cache with pulls in flight, tick
+  after tick); then it reports pulls that are usable, or failed and settled (their blocks go to
+  `get_block_ids_with_load_errors` so vLLM's failure policy applies; a failed pull whose READ may still land
+  is held back until it cannot, so vLLM never reuses or recomputes into blocks a late write could hit), and
+  leases that ended (their requests' blocks may be freed). A request vLLM finished while its pull ran
+  (abort) has the pull cancelled; it is reported once its blocks are safe.
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ from kvconnect.vllm.stats import KVConnectStats, failure_reason, timeline
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.005  # an idle step's wait for a lease or pull to end (it returns as soon as one does)
-DRIVE_EVERY_S = 0.0002  # ... during which it drives the connector this often (a 512 MiB gather: 0.27 ms on an H200)
+DRIVE_EVERY_S = 0.0002  # ... during which it drives the connector this often; a GPU cache's pulls: tick after tick,
+# yielding the GIL between them (a 512 MiB gather takes ~0.3 ms on an H200, and a 0.2 ms poll added 0.1-0.3 ms to
+# its pull). Leases alone are never driven that way: a prefill's PIN answers come from its loop thread, which a
+# spinning engine thread kept from the GIL (the decode then waited 0.4-0.6 ms more for them, on an H200 host)
 
 
 @dataclass
@@ -85,6 +89,7 @@ class WorkerSide:
         self._changed = threading.Event()  # set when a lease ends or a pull finishes
         self._usable_at: dict[str, float] = {}  # request -> wall clock its pull became usable (loop thread)
         self._idle = False
+        self._drive_every_s = DRIVE_EVERY_S  # (0 on a GPU cache: register_kv_caches)
 
     def register_kv_caches(
         self,
@@ -115,6 +120,7 @@ class WorkerSide:
             faults=self._faults,
         )
         spec = described.cache.spec
+        self._drive_every_s = 0.0 if spec.device == "cuda" else DRIVE_EVERY_S
         first = kv_caches[described.layer_names[0]]
         log.info(
             "kvconnect: rank %d registered %d layers (%s, %s, %d blocks of %d tokens, %.1f MiB; vLLM's tensor "
@@ -228,8 +234,10 @@ class WorkerSide:
             conn.drive()
             if self._idle and not finished_req_ids:  # wait a little for one to end, driving it meanwhile
                 deadline = time.monotonic() + IDLE_WAIT_S
-                while not self._changed.wait(DRIVE_EVERY_S) and time.monotonic() < deadline:
+                every_s = self._drive_every_s if self._loads else DRIVE_EVERY_S
+                while not self._changed.wait(every_s) and time.monotonic() < deadline:
                     conn.drive()
+                    time.sleep(0)  # (lets this process's other threads take the GIL between ticks)
         self._changed.clear()
         self._seen_finished |= finished_req_ids & self._leased
         recving, failed = set(), set()
@@ -286,13 +294,16 @@ class WorkerSide:
             for name, key in (*marked, ("usable", "read_to_usable_s")):
                 t += stages[key]
                 marks.append(f"{name} {1e3 * t:.2f}")
+            parts = (stats.validate_s, stats.pin_s, stats.launch_s, stats.post_s, stats.pin_rtt_s)
             log.debug(
-                "kvconnect: request %s timeline, ms from %s: pull %.2f, %s, reported %.2f",
+                "kvconnect: request %s timeline, ms from %s: pull %.2f, %s, reported %.2f "
+                "(post: checks %.3f, pin %.3f, launch %.3f of %.3f; the PIN's answer after %.3f)",
                 load.order.request_id,
                 "arrival" if arrival else "the pull",
                 1e3 * (load.requested_at - start),
                 ", ".join(marks),
                 1e3 * (now - start),
+                *(1e3 * x for x in parts),
             )
 
     def _pull_done(self, stats: PullStats, error: KVConnectError | None) -> None:  # (loop thread)

@@ -153,6 +153,7 @@ class LeaseConfirmation:
         ):
             pull.remote_digest = reply.kv_digest
         if pull.pin is PinState.SENT:
+            pull.handle.stats.pin_rtt_s = time.monotonic() - pull.pin_sent_s
             if isinstance(reply, HandshakeError):
                 pull.pin, pull.pin_error = PinState.LOST, f"unpinned ({reply})"
             elif reply.state in (p.LeaseState.HELD, p.LeaseState.COMPLETED):

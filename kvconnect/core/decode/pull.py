@@ -66,6 +66,9 @@ class PullStats(msgspec.Struct):
     total_s: float = 0.0  # pull requested -> blocks usable
     transport: str = ""  # "nixl" or "ipc"
     validate_s: float = 0.0  # the part of post_s spent checking block ids
+    pin_s: float = 0.0  # the part of post_s spent sending the PIN (0: none sent)
+    launch_s: float = 0.0  # the part of post_s inside the transport's post (the READ or the gather launch)
+    pin_rtt_s: float = 0.0  # the PIN sent -> its answer here (0: none answered)
     queued_s: float = 0.0  # pull() returned -> the loop thread picked the pull up
     path: str = ""  # "block", "direct" or "staging" (hetero.py); "+"-joined over several sources
     num_sources: int = 1  # prefill ranks read (heterogeneous TP)

@@ -197,12 +197,14 @@ class DecodeSide:
             return
         local, remote = ordered
         stats = pull.handle.stats
-        stats.validate_s = time.monotonic() - t0
         stats.granularity = plan_src.pair.granularity.name
         stats.transport = transport.kind.value
         stats.path = plan_src.path.value
-        notif = pull.notif(info.incarnation_id)
+        notif = pull.notif(info.incarnation_id) if transport.notifies else b""  # (a digest of the ids: not free)
+        t_pin = time.monotonic()
+        stats.validate_s = t_pin - t0
         self._confirm.pin(peer, pull)  # before posting: the PIN's round trip runs while the transfer is posted
+        t_launch = time.monotonic()
         try:
             pull.posted, state, plan = transport.post(local, remote, pull.num_tokens, notif)
         except KVConnectError as e:
@@ -213,7 +215,7 @@ class DecodeSide:
         pull.posted_s = time.monotonic()
         stats.num_blocks, stats.bytes = plan.num_blocks, plan.total_bytes
         stats.num_descs, stats.num_descs_merged = plan.num_descs, plan.num_descs_merged
-        stats.post_s = pull.posted_s - t0
+        stats.post_s, stats.pin_s, stats.launch_s = pull.posted_s - t0, t_launch - t_pin, pull.posted_s - t_launch
         pull.phase = PullPhase.POSTED
         self._posted.append(pull)
         self._check(pull, state)
@@ -325,16 +327,12 @@ class DecodeSide:
     def _abandon(self, pull: Pull, now: float) -> None:
         """Give up a transfer at its deadline or cancellation (failing the pull quarantines its blocks)."""
         self.release.for_pull(pull)
+        rid, waited_s = pull.handle.request_id, now - pull.requested_s
         if pull.handle.cancel_requested:
-            self._fail(pull, TransferError(f"pull {pull.handle.request_id} cancelled"))
+            self._fail(pull, TransferError(f"pull {rid} cancelled"))
         else:
-            self._fail(
-                pull,
-                TransferTimeoutError(
-                    f"pull {pull.handle.request_id} from {pull.remote_engine_id} not complete after "
-                    f"{now - pull.requested_s:.3g}s; abandoned"
-                ),
-            )
+            why = f"pull {rid} from {pull.remote_engine_id} not complete after {waited_s:.3g}s; abandoned"
+            self._fail(pull, TransferTimeoutError(why))
 
     def _succeed(self, pull: Pull) -> None:
         self._counters.bytes_pulled += pull.handle.stats.bytes

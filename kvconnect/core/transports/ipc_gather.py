@@ -14,20 +14,18 @@ Nothing here runs at import time; torch and triton are imported on first use.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 
 from kvconnect.core.agent import XferState
-from kvconnect.core.errors import TransportUnavailableError
 from kvconnect.core.plan.descriptors import PairPlan, PullPlan
 from kvconnect.core.plan.hetero import Path, SourcePlan
 from kvconnect.core.transports.base import Posted, Transport, TransportKind
+from kvconnect.core.transports.cuda_driver import GraphSlots, MappedPeer, PeerCopyError, export_region
 
 if TYPE_CHECKING:
     from kvconnect.core.cache import KVCache
@@ -35,16 +33,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
-IPC_HANDLE_BYTES = 64
 _WORD_BYTES = 8  # the kernel moves int64 words
 _CHUNK_WORDS = 4096  # words per program: 32 KiB
 _RING = 8  # upload slots (gathers in flight before a post waits)
 _PROGRAMS_PER_SM = 8  # the gather's fixed grid
-
-
-class PeerCopyError(TransportUnavailableError):
-    """The CUDA IPC fast path is unavailable or failed; callers fall back to NIXL."""
 
 
 class IpcOffer(msgspec.Struct, array_like=True):
@@ -56,36 +48,6 @@ class IpcOffer(msgspec.Struct, array_like=True):
 
 
 _offer_decoder = msgspec.msgpack.Decoder(IpcOffer)
-
-
-class _Handle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
-
-
-@functools.cache
-def _libcuda() -> ctypes.CDLL:
-    try:
-        return ctypes.CDLL("libcuda.so.1")
-    except OSError as e:
-        raise PeerCopyError(f"CUDA driver library not found: {e}") from e
-
-
-def _check(rc: int, what: str) -> None:
-    if rc != 0:
-        raise PeerCopyError(f"{what} failed with CUDA driver error {rc}")
-
-
-def export_region(addr: int) -> tuple[bytes, int]:
-    """IPC handle of the allocation holding `addr`, and `addr`'s offset inside it."""
-    cu = _libcuda()
-    base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    _check(
-        cu.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(addr)),
-        "cuMemGetAddressRange",
-    )
-    handle = _Handle()
-    _check(cu.cuIpcGetMemHandle(ctypes.byref(handle), base), "cuIpcGetMemHandle")
-    return bytes(handle), addr - base.value  # (.reserved would stop at the first NUL byte)
 
 
 def warm_up(device: Any) -> None:
@@ -145,6 +107,7 @@ class IpcGather:
         # after the gather that read it has finished.
         cap = 1 + 2 * self._nb_dst
         self._host_ids = [torch.zeros(cap, dtype=torch.int64, pin_memory=True) for _ in range(_RING)]
+        self._host_words = [host.numpy() for host in self._host_ids]
         self._dev_ids = [torch.zeros(cap, dtype=torch.int64, device=self._device) for _ in range(_RING)]
         self._done = [torch.cuda.Event() for _ in range(_RING)]
         self._used = [False] * _RING
@@ -162,6 +125,14 @@ class IpcGather:
         except Exception as e:  # e.g. a driver without graph support: launch directly
             log.info("IPC gather: CUDA graph capture failed (%s); launching the kernel directly", e)
             self._graphs = []
+        self._slots: GraphSlots | None = None  # the graphs posted with driver calls (torch's wrappers otherwise)
+        if self._graphs:
+            try:
+                execs = [int(graph.raw_cuda_graph_exec()) for graph in self._graphs]
+                uploads = [(d.data_ptr(), h.data_ptr()) for d, h in zip(self._dev_ids, self._host_ids, strict=True)]
+                self._slots = GraphSlots(self._stream.cuda_stream, execs, uploads)
+            except (AttributeError, RuntimeError, PeerCopyError) as e:  # (an older torch has no raw handles)
+                log.info("IPC gather: posting through torch's graph replay (%s)", e)
 
     def _launch(self, slot: int) -> None:
         _kernel()[(self._programs,)](
@@ -206,72 +177,56 @@ class IpcGather:
             raise
 
     def post(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> Any:
-        """Enqueue one request's gather (validated ids); returns a CUDA event to poll."""
-        import torch
-
+        """Enqueue one request's gather (validated ids); returns what to poll for its end (`query()`)."""
         n = int(local_ids.shape[0])
         slot = self._next_slot
         self._next_slot = (slot + 1) % _RING
-        done = self._done[slot]
-        if self._used[slot]:
-            done.synchronize()  # (waits only while _RING gathers are in flight)
-        host = self._host_ids[slot]
-        words = host.numpy()
+        slots = self._slots
+        if self._used[slot] and slots is not None:  # (waits only while _RING gathers are in flight)
+            slots.wait(slot)
+        elif self._used[slot]:
+            self._done[slot].synchronize()
+        words = self._host_words[slot]
         words[0] = n
         words[1 : 1 + 2 * n : 2] = remote_ids
         words[2 : 2 + 2 * n : 2] = local_ids
         try:
-            with torch.cuda.stream(self._stream):
-                self._dev_ids[slot][: 1 + 2 * n].copy_(host[: 1 + 2 * n], non_blocking=True)
-                if self._graphs:
-                    self._graphs[slot].replay()
-                else:
-                    self._launch(slot)
-                done.record(self._stream)
+            if slots is not None:
+                slots.post(slot, (1 + 2 * n) * _WORD_BYTES)
+                self._used[slot] = True
+                return _SlotDone(slots, slot)
+            self._post_torch(slot, n)
         except Exception as e:
             raise PeerCopyError(f"gather kernel launch failed: {type(e).__name__}: {e}") from e
         self._used[slot] = True
-        return done
+        return self._done[slot]
+
+    def _post_torch(self, slot: int, n: int) -> None:
+        import torch
+
+        with torch.cuda.stream(self._stream):
+            self._dev_ids[slot][: 1 + 2 * n].copy_(self._host_ids[slot][: 1 + 2 * n], non_blocking=True)
+            if self._graphs:
+                self._graphs[slot].replay()
+            else:
+                self._launch(slot)
+            self._done[slot].record(self._stream)
 
     def close(self) -> None:
         self._stream.synchronize()
+        if self._slots is not None:
+            self._slots.close()
         self.mapped.close()
 
 
-@dataclass
-class MappedPeer:
-    """A peer's regions mapped into this process (current CUDA device must be the local one)."""
+class _SlotDone:
+    """A gather posted through `GraphSlots`: polled like a torch event."""
 
-    bases: list[int]  # mapped allocation bases, for closing
-    region_addrs: list[int]  # where each remote region starts in our address space
+    def __init__(self, slots: GraphSlots, slot: int) -> None:
+        self._slots, self._slot = slots, slot
 
-    @classmethod
-    def open(cls, handles: list[bytes], offsets: list[int]) -> MappedPeer:
-        """Map each distinct allocation once (several regions often share one allocator segment)."""
-        cu = _libcuda()
-        opened: dict[bytes, int] = {}
-        try:
-            for raw in handles:
-                if len(raw) != IPC_HANDLE_BYTES:
-                    raise PeerCopyError(f"IPC handle of {len(raw)} bytes, expected {IPC_HANDLE_BYTES}")
-                if raw in opened:
-                    continue
-                handle = _Handle.from_buffer_copy(raw)
-                ptr = ctypes.c_uint64()
-                flags = CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-                _check(cu.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, flags), "cuIpcOpenMemHandle")
-                opened[raw] = ptr.value
-        except PeerCopyError:
-            for b in opened.values():
-                cu.cuIpcCloseMemHandle(ctypes.c_uint64(b))
-            raise
-        return cls(list(opened.values()), [opened[h] + off for h, off in zip(handles, offsets, strict=True)])
-
-    def close(self) -> None:
-        cu = _libcuda()
-        for b in self.bases:
-            cu.cuIpcCloseMemHandle(ctypes.c_uint64(b))
-        self.bases = []
+    def query(self) -> bool:
+        return self._slots.done(self._slot)
 
 
 class _Ptr:

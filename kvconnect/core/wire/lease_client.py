@@ -53,7 +53,7 @@ def _request(
         engine_id,
         lease_id,
         action,
-        block_ids=[int(b) for b in block_ids],
+        block_ids=block_ids.tolist() if isinstance(block_ids, np.ndarray) else [int(b) for b in block_ids],
         seq=next(_seq),
         group_sizes=[int(n) for n in group_sizes] if len(group_sizes) > 1 else [],  # (one group: none named)
         **fields,
