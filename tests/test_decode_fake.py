@@ -114,6 +114,44 @@ def test_a_peer_lost_while_a_pin_is_unanswered_is_forgotten_and_the_next_pull_ha
         assert dec.snapshot().handshakes == 2 and dec.cache.block_bytes(2) == prefill.cache.block_bytes(20)
 
 
+def test_a_lease_answer_whose_handling_fails_fails_its_pull_alone_and_the_rest_of_its_batch_is_handled(
+    prefill, wire, monkeypatch
+) -> None:
+    """Two PIN answers from one prefill arrive in one batch, and handling the first raises: that pull fails,
+    naming why, and the second is still handled and succeeds. (The exception used to leave the tick: the rest
+    of the batch, already taken from the socket, was lost, and its pulls waited for their deadline as if the
+    prefill had never answered.)"""
+    with decoder(wire) as dec:
+        dec.pull(prefill.lease(rid(), [21], 16), [0]).wait(10)  # (handshaken)
+        (peer,) = dec._decode.peers.all()
+        receive, held = peer.channel.receive, []
+
+        def in_one_batch() -> list:  # both answers are handed over together
+            held.extend(receive())
+            out = list(held) if len(held) >= 2 else []
+            del held[: len(out)]
+            return out
+
+        confirm, answered = dec._decode._confirm, []
+        answer = confirm.answer
+
+        def failing_first(peer, pull, reply) -> None:
+            answered.append(pull.handle.request_id)
+            if len(answered) == 1:
+                raise RuntimeError("a bug while handling this answer")
+            answer(peer, pull, reply)
+
+        monkeypatch.setattr(peer.channel, "receive", in_one_batch)
+        monkeypatch.setattr(confirm, "answer", failing_first)
+        first = dec.pull(prefill.lease(rid(), [22], 16), [1])
+        second = dec.pull(prefill.lease(rid(), [23], 16), [2])
+        with pytest.raises(TransferError, match="handling the prefill's lease answer failed: RuntimeError"):
+            first.wait(10)
+        second.wait(10)
+        assert answered == [first.request_id, second.request_id]
+        assert dec.cache.block_bytes(2) == prefill.cache.block_bytes(23)
+
+
 def test_params_replayed_to_a_second_decode_are_refused_as_consumed(prefill, wire) -> None:
     params = prefill.lease(rid(), [13, 14], 32)
     with decoder(wire) as first:

@@ -23,6 +23,7 @@ that is not fail-closed, and the worker warns at start when it is configured.
 from __future__ import annotations
 
 import hmac
+import logging
 import time
 from collections.abc import Callable
 
@@ -31,7 +32,14 @@ from kvconnect.core.config import ConnectorConfig
 from kvconnect.core.decode.peers import Peer
 from kvconnect.core.decode.pull import PinState, Pull, PullPhase
 from kvconnect.core.digest import applies, block_sums, digest
-from kvconnect.core.errors import DigestError, HandshakeError, KVConnectError, LeaseLostError, PeerGoneError
+from kvconnect.core.errors import (
+    DigestError,
+    HandshakeError,
+    KVConnectError,
+    LeaseLostError,
+    PeerGoneError,
+    TransferError,
+)
 from kvconnect.core.plan.hetero import Path
 from kvconnect.core.wire import lease_client
 from kvconnect.core.wire import protocol as p
@@ -39,6 +47,7 @@ from kvconnect.core.wire import protocol as p
 BLOCKS_REFUSED = "block_ids:"  # how the prefill's lease table starts a refusal of blocks it did not lease
 PROMPT_REFUSED = "prompt:"  # ... and of a reader serving another prompt (prefill/record.py: not imported here)
 ASK_AGAIN_S = (0.002, 0.05)  # first and longest wait before asking again about a lease not granted yet
+log = logging.getLogger(__name__)
 
 
 def refusal(pull: Pull, reply: p.LeaseReply) -> KVConnectError | None:
@@ -125,6 +134,17 @@ class LeaseConfirmation:
         pull.phase = PullPhase.CONFIRMING
         if pull.pin is not PinState.SENT:
             self._decide(peer, pull)
+
+    def answer_or_fail(self, peer: Peer, pull: Pull, reply: p.LeaseReply | HandshakeError) -> None:
+        """`answer`; a failure while handling it fails this pull alone, logged. (It used to leave the tick: the
+        replies that came in the same batch from that peer were lost, and their pulls waited for their deadline,
+        as if the prefill had never answered.)"""
+        try:
+            self.answer(peer, pull, reply)
+        except Exception as e:
+            log.exception("pull %s: handling the prefill's lease answer failed", pull.handle.request_id)
+            why = f"handling the prefill's lease answer failed: {type(e).__name__}: {e}"
+            self._fail(pull, TransferError(f"pull {pull.handle.request_id}: {why}"[:500]))
 
     def answer(self, peer: Peer, pull: Pull, reply: p.LeaseReply | HandshakeError) -> None:
         """The prefill's answer to this pull's PIN or CONFIRM."""

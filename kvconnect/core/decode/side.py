@@ -322,7 +322,7 @@ class DecodeSide:
         if pull is None or pull.phase in (PullPhase.DONE, PullPhase.FAILED):
             return
         assert not isinstance(reply, p.PeerInfo)
-        self._confirm.answer(peer, pull, reply)
+        self._confirm.answer_or_fail(peer, pull, reply)  # (the rest of the batch is handled whatever it does)
 
     def _abandon(self, pull: Pull, now: float) -> None:
         """Give up a transfer at its deadline or cancellation (failing the pull quarantines its blocks)."""
