@@ -51,6 +51,22 @@ def test_a_driving_thread_completes_a_pull_while_the_loop_thread_is_held(prefill
     assert prefill.settle("driven", 20) == "completed"
 
 
+def test_a_prefill_whose_loop_thread_is_held_answers_the_handshake_and_pin_from_its_driving_thread() -> None:
+    """A prefill's engine thread drives while it waits for its leases: each tick serves the side channel, so a
+    decode's PIN is answered at the next drive instead of when the loop thread gets the GIL (in vLLM it waited
+    for an engine thread that held it: the PIN's answer came 0.7-1.3 ms after it was sent, on an H200 host)."""
+    with KVConnector(KVCache.allocate(SPEC), config_for_tests(), faults=FaultHooks()) as pre, decoder() as dec:
+        pre.cache.fill_pattern(5)
+        params = pre.lease("answered-by-the-driver", [3, 7, 8])
+        with pre.faults.hold_loop():  # only the prefill's driving thread can answer now
+            handle = dec.pull(params, [0, 5, 6])
+            poll_until(lambda: pre.drive() and handle.done(), what="the pull, answered by the driving prefill")
+            handle.wait(0)  # raises the pull's error, if it failed
+            poll_until(lambda: pre.drive() and not pre.held_leases(), what="the reader's confirmation served")
+        for local, remote in zip([0, 5, 6], [3, 7, 8], strict=True):
+            assert dec.cache.block_bytes(local) == pre.cache.block_bytes(remote)
+
+
 def test_drive_never_waits_for_a_tick_in_progress() -> None:
     entered, leave = threading.Event(), threading.Event()
     with decoder() as dec:
@@ -137,8 +153,11 @@ def test_the_loop_thread_ticks_rarely_while_nothing_is_in_flight_or_held(prefill
 
 def test_an_idle_step_that_waits_only_for_leases_polls_and_never_spins() -> None:
     """On a GPU cache an idle step waiting for its pulls drives tick after tick (a gather's end is seen at
-    once). Waiting for leases alone it must not: a prefill's PIN answers come from its loop thread, which a
-    spinning engine thread kept from the GIL (on an H200 host the decode waited 0.4-0.6 ms more for each)."""
+    once). Waiting for leases alone it must not: a lease is held for as long as its reader takes (seconds, for a
+    request whose decode leg never comes), and a spinning engine thread keeps the process's other threads
+    (vLLM's output thread, the loop thread) from the GIL all that time: on an H200 host, when PINs were still
+    answered by the loop thread alone, the decode waited 0.4-0.6 ms more for each. Polling, the wait's own
+    ticks answer a PIN within `DRIVE_EVERY_S`."""
     from kvconnect.harness.vllm_shapes import packed_views
     from kvconnect.vllm.worker import DRIVE_EVERY_S, WorkerSide
 

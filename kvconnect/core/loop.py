@@ -1,12 +1,14 @@
 """The connector's loop: one thread that serves the side channel and runs ticks, and `drive`, by which an
 engine's own thread runs a tick itself.
 
-Threading: the loop thread owns the side-channel server; the NIXL agent and the peers' sockets are used only
-inside a tick, and ticks are serialised by one lock. The loop thread runs them; the engine's thread may run
-one too (`drive`) when the loop is not in one, so that a pull is posted and finished without waiting for the
-interpreter to switch threads (a Python engine loop holds the GIL between its waits). Other threads only
-enqueue work (`call`). No tick blocks on a peer. On a CUDA cache the loop thread works on the cache's device
-with a relaxed stream-capture mode (`device.py`).
+Threading: the side-channel server, the NIXL agent and the peers' sockets are used only inside a tick, and
+ticks are serialised by one lock. The loop thread runs them; the engine's thread may run one too (`drive`)
+when the loop is not in one, so that a pull is posted and finished, and a decode's lease request answered,
+without waiting for the interpreter to switch threads (a Python engine loop holds the GIL between its waits).
+The loop thread waits on the server socket's file descriptor (`zmq.FD`), never on the socket itself: a ZMQ
+socket may not be polled by one thread while another reads it. Other threads only enqueue work (`call`). No
+tick blocks on a peer. On a CUDA cache the loop thread works on the cache's device with a relaxed stream-capture
+mode (`device.py`).
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ class Loop:
         gate: Any = None,
         quiet: Callable[[], bool] = lambda: False,
     ) -> None:
-        """`tick` runs under the loop's lock; `serve` answers the side channel when `server_sock` is readable;
+        """`tick` runs under the loop's lock; `serve` answers what waits on the side channel (`server_sock`), in
+        every tick, on whichever thread runs it;
         `busy` says whether a transfer is in flight (the loop then spins); `quiet` whether nothing is in flight or
         held (it then ticks every `QUIET_TICK_MS`); `device` is the cache's torch CUDA
         device (None on the CPU); `gate` is a lock the loop thread takes before each tick (fault injection)."""
@@ -69,6 +72,7 @@ class Loop:
         self._stop = threading.Event()
         self.lock = threading.Lock()  # one tick at a time, on the loop thread or a driving thread
         self._driven_until = 0.0  # until then a caller is driving: the loop thread leaves the ticks to it
+        self._backlog = False  # the last serve left messages waiting (their descriptor will not signal again)
         self.wakeups = 0  # times `call` woke the loop thread
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -100,24 +104,26 @@ class Loop:
         place_current_thread(self._cpus, "connector loop")  # (see affinity.py)
         if self._device is not None:  # NIXL and the IPC path need this device's context on this thread
             enter_device_thread(self._device)
+        with self.lock:
+            sock_fd = self._sock.getsockopt(zmq.FD)  # (readable when the socket's state may have changed)
         poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
+        poller.register(sock_fd, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         while not self._stop.is_set():
             try:
                 driven = time.monotonic() < self._driven_until
-                ready = dict(poller.poll(DRIVEN_TICK_MS if driven else self._timeout_ms()))
+                timeout_ms = 0 if self._backlog else DRIVEN_TICK_MS if driven else self._timeout_ms()
+                ready = dict(poller.poll(timeout_ms))
                 if self._wake_r in ready:
                     try:
                         os.read(self._wake_r, 4096)
                     except BlockingIOError:
                         pass
-                if self._sock not in ready and time.monotonic() < self._driven_until:
+                side = sock_fd in ready or self._backlog
+                if not side and time.monotonic() < self._driven_until:
                     continue  # the driving thread ticks: a tick here would hold the lock while it waits for the GIL
                 with self._gate, self.lock:
-                    if self._sock in ready:
-                        self._serve()
-                    self.tick()
+                    self.tick()  # (serves the side channel first)
             except Exception:  # keep serving; the failing pull or message was already answered
                 log.exception("kvconnect loop iteration failed")
 
@@ -129,7 +135,13 @@ class Loop:
         return QUIET_TICK_MS if quiet else self._tick_ms
 
     def tick(self) -> None:
-        """Queued work, then the connector's own tick (under `lock`)."""
+        """The side channel, queued work, then the connector's own tick (under `lock`). The socket's descriptor
+        signals a change once: what one serve leaves waiting (it answers a bounded batch) is served at once."""
+        try:
+            self._serve()
+            self._backlog = bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        except Exception:  # (the ticks' work goes on: a message that failed was answered or dropped)
+            log.exception("kvconnect side channel failed")
         while True:
             try:
                 self._inbox.get_nowait()()
@@ -140,8 +152,10 @@ class Loop:
     def drive(self) -> bool:
         """Run one tick on the calling thread, unless a tick is running now; never blocks, never raises.
 
-        While a caller drives (it did within `DRIVEN_S`), the loop thread ticks only to serve the side
-        channel, and takes over again once the caller stops. A CUDA cache is driven only from a thread whose
+        A tick serves the side channel first: a prefill's engine thread that drives while it waits for its
+        leases answers the decodes' PINs itself, instead of waiting for the loop thread to get the GIL. While
+        a caller drives (it did within `DRIVEN_S`), the loop thread ticks only when the side channel signals,
+        and takes over again once the caller stops. A CUDA cache is driven only from a thread whose
         current device is the cache's. Returns whether a tick ran."""
         if self._stop.is_set() or not self._on_cache_device() or not self.lock.acquire(blocking=False):
             return False

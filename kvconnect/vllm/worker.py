@@ -7,8 +7,8 @@ allocated, driven by the scheduler's step orders. By vLLM hook:
 - `bind_connector_metadata` (before each step's forward): grant leases, release leases nobody will read,
   start pulls. A pull reads only the blocks the local prefix cache missed: the tail of the prefill's list.
 - both drive the connector (`KVConnector.drive`) while this rank has pulls or leases: this thread, which
-  holds the GIL while vLLM steps, posts and finishes the pulls itself rather than waiting for the
-  interpreter to switch to the loop thread.
+  holds the GIL while vLLM steps, posts and finishes the pulls itself, and answers the decodes' lease
+  requests (PINs), rather than waiting for the interpreter to switch to the loop thread.
 - `transfer_results` (behind `get_finished` / `get_transfer_results`, after each step): on a step with
   nothing to compute (vLLM keeps stepping while a transfer or a lease is pending) it first waits up to
   `IDLE_WAIT_S` for one to end, driving the connector meanwhile (on a CPU cache every `DRIVE_EVERY_S`, so a
@@ -48,8 +48,9 @@ log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.005  # an idle step's wait for a lease or pull to end (it returns as soon as one does)
 DRIVE_EVERY_S = 0.0002  # ... during which it drives the connector this often; a GPU cache's pulls: tick after tick,
 # yielding the GIL between them (a 512 MiB gather takes ~0.3 ms on an H200, and a 0.2 ms poll added 0.1-0.3 ms to
-# its pull). Leases alone are never driven that way: a prefill's PIN answers come from its loop thread, which a
-# spinning engine thread kept from the GIL (the decode then waited 0.4-0.6 ms more for them, on an H200 host)
+# its pull). Leases alone are never driven that way: a lease may be held for seconds, and a spinning engine thread
+# keeps the process's other threads from the GIL (when only the loop thread answered PINs, the decode waited
+# 0.4-0.6 ms more for them, on an H200 host); polled, the wait's own ticks answer a PIN within DRIVE_EVERY_S
 
 
 @dataclass
