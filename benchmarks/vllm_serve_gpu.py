@@ -1,7 +1,8 @@
 """P/D under load, measured by vLLM's own benchmark client (`vllm bench serve`), on one GPU: kvconnect's plug-in
 against vLLM's NixlConnector and NixlPushConnector, each pair behind kvconnect's proxy, and a plain vLLM server.
 
-    python benchmarks/vllm_serve_gpu.py OUT_DIR [--rates 2,4,8,16] [--concurrency 16] [--prompts-per-rate 12]
+    python benchmarks/vllm_serve_gpu.py OUT_DIR [--rates 2,4,8,16] [--concurrency 16] [--concurrency-rate 0]
+                                        [--prompts-per-rate 12]
                                         [--pairs kvconnect,nixl,push] [--input-len 2560] [--range-ratio 0.6]
                                         [--output-len 64] [--enforce-eager]
 
@@ -9,7 +10,8 @@ The model and pairs are `vllm_h2h_gpu.py`'s (`llama8b-kv`: Llama-3-8B's KV cache
 server with `UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on`). The client: vLLM's random dataset, inputs of
 `input_len * (1 +- range_ratio)` tokens (1,024-4,096 by default), `--output-len` tokens out with EOS ignored,
 Poisson arrivals at each rate (`prompts_per_rate * rate` requests, at least 32), after one run of a fixed number of
-requests in flight (`--concurrency`, as many requests as for the highest rate). Targets run one at a time (the
+requests in flight (`--concurrency`, as many requests as for the highest rate; `--concurrency-rate` gives it
+Poisson arrivals too, so that every target serves one request rate). Targets run one at a time (the
 others idle), in a shuffled order per rate. Per target and run: p50/p99 TTFT and ITL, request throughput, failed
 requests; `serve.json` and `serve.txt`, a plot per metric (`<metric>.png`), vLLM's own result files under
 `runs/`. Each target's proxy is kvconnect's (`kvconnect proxy`): the prefill leg, then the decode leg with the
@@ -43,7 +45,7 @@ METRICS = ("p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms", "request_th
 
 def bench(url: str, model: Path, args: argparse.Namespace, out: Path, rate: float | None, concurrency: int) -> dict:
     """One `vllm bench serve` run against `url`; returns vLLM's result (its JSON file)."""
-    n = max(32, int(args.prompts_per_rate * (rate or max(args.rates))))
+    n = max(32, int(args.prompts_per_rate * (max(args.rates) if concurrency or not rate else rate)))
     cmd = [sys.executable, "-c", BENCH_SERVE, "--backend", "vllm"]
     cmd += ["--base-url", url, "--endpoint", "/v1/completions", "--model", "tiny", "--tokenizer", str(model)]
     cmd += ["--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len"]
@@ -64,6 +66,13 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[2.0, 4.0, 8.0, 16.0])
     ap.add_argument("--concurrency", type=int, default=16, help="the fixed-concurrency run (0: none)")
+    ap.add_argument(
+        "--concurrency-rate",
+        type=float,
+        default=0.0,
+        help="Poisson arrivals for the fixed-concurrency run too (0: all at once): every target then serves the "
+        "same request rate, so their decodes share the one GPU with as much prefill work",
+    )
     ap.add_argument("--prompts-per-rate", type=float, default=12.0)
     ap.add_argument("--pairs", default="kvconnect,nixl,push")
     ap.add_argument("--input-len", type=int, default=2560)
@@ -106,16 +115,24 @@ def main() -> None:
             f"{len(servers)} servers and {len(names)} proxies healthy after {time.monotonic() - t0:.0f} s", flush=True
         )
         rng = random.Random(args.seed)
-        plan: list[tuple[float | None, int]] = [(None, args.concurrency)] if args.concurrency else []
+        capped = args.concurrency_rate or None
+        plan: list[tuple[float | None, int]] = [(capped, args.concurrency)] if args.concurrency else []
         plan += [(r, 0) for r in args.rates]
         for rate, concurrency in plan:
             order = list(targets)
             rng.shuffle(order)
             for target in order:
-                label = f"rate{rate:g}" if rate else f"concurrency{concurrency}"
+                label = f"concurrency{concurrency}" if concurrency else f"rate{rate:g}"
+                label += f"-rate{rate:g}" if concurrency and rate else ""
                 t1 = time.monotonic()
                 r = bench(targets[target], model, args, runs / f"{target}-{label}.json", rate, concurrency)
-                row = {"target": target, "run": label, "rate": rate, "concurrency": concurrency}
+                row = {
+                    "target": target,
+                    "run": label,
+                    "rate": None if concurrency else rate,
+                    "concurrency": concurrency,
+                }
+                row["arrival_rate"] = rate
                 row.update({k: r.get(k) for k in ("completed", "failed", *METRICS)})
                 results.append(row)
                 print(json.dumps(row), f"({time.monotonic() - t1:.0f} s)", flush=True)
