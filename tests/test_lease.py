@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvconnect.core.errors import LeaseError
 from kvconnect.core.faults import FaultHooks
@@ -343,3 +345,21 @@ def test_leases_hold_at_most_their_share_of_the_cache_and_abandoned_ones_make_ro
     big = LeaseTable(60.0, clock, lambda lease, ids: None, max_blocks=2)
     big.grant("alone", [1, 2, 3, 4])  # one request larger than the share: leased all the same
     assert big.state("alone") is LeaseState.HELD
+
+
+@given(
+    leased=st.lists(st.integers(0, 40), min_size=1, max_size=12, unique=True),
+    named=st.lists(st.integers(0, 40), max_size=12),
+    sizes=st.sampled_from(["none", "one", "wrong"]),
+)
+@settings(max_examples=300, deadline=None)
+def test_a_one_group_lease_accepts_exactly_the_non_empty_tails_of_its_blocks(leased, named, sizes) -> None:
+    """The one-group check a PIN takes (plain Python, no numpy) agrees with the grouped rule: a non-empty suffix
+    of the leased ids is accepted, anything else refused with its reason."""
+    t, _clock, _freed = table()
+    t.grant("a", leased)
+    group_sizes = {"none": (), "one": (len(named),), "wrong": (len(named) + 1,)}[sizes]
+    problem = t.blocks_problem("a", named, group_sizes)
+    is_tail = bool(named) and leased[-len(named) :] == named
+    assert (problem == "") == (is_tail and sizes != "wrong"), problem
+    assert problem == "" or problem.startswith("block_ids:")

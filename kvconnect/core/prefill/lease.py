@@ -97,8 +97,11 @@ class LeaseTable:
             lease = self._leases.get(lease_id)
             if lease is None:
                 return ""
-            leased = grouped(lease.block_ids, lease.groups)
+            leased_ids, groups = lease.block_ids, lease.groups
         ids = tuple(int(b) for b in block_ids)
+        if ids and len(groups) <= 1 and tuple(group_sizes) in ((), (len(ids),)) and leased_ids[-len(ids) :] == ids:
+            return ""  # (one group, a suffix: the common case, answered without numpy on a PIN's path)
+        leased = grouped(leased_ids, groups)
         if not ids:
             return f"block_ids: required (the lease holds {leased.ids.size} blocks)"
         if len(group_sizes) > 1 and (len(group_sizes) > MAX_GROUPS or sum(group_sizes) != len(ids)):

@@ -59,7 +59,8 @@ class PrefillSide:
 
     def answer(self, msg: p.LeaseRequest) -> p.LeaseReply:
         """A decode's lease request, answered with the lease's state (or a refusal and its reason)."""
-        self.drain_notifs()  # a notification may be queued behind this request
+        if msg.action is not p.LeaseAction.PIN:  # a notification may be queued behind this request; a PIN needs
+            self.drain_notifs()  # none drained first: another reader's pending end cannot free the blocks it pins
         lease_id = msg.lease_id
         shown, peer = loggable(lease_id, 8), loggable(msg.engine_id)  # (ids come from a peer; a lease id is secret)
         problem = self._leases.blocks_problem(lease_id, msg.block_ids, msg.group_sizes)
