@@ -67,6 +67,45 @@ def test_a_prefill_whose_loop_thread_is_held_answers_the_handshake_and_pin_from_
             assert dec.cache.block_bytes(local) == pre.cache.block_bytes(remote)
 
 
+def test_a_burst_on_the_side_channel_is_served_in_batches_and_its_rest_marked_for_the_next_tick() -> None:
+    """The loop thread waits on the socket's descriptor, which signals a change once: what one tick's serve leaves
+    waiting (a serve answers at most MAX_PER_POLL) must be marked, or the rest would wait for the next timed tick."""
+    import zmq
+
+    from kvconnect.core.wire import protocol as p
+    from kvconnect.core.wire.handshake import MAX_PER_POLL, zmq_address
+
+    with KVConnector(KVCache.allocate(SPEC), config_for_tests(), faults=FaultHooks()) as conn:
+        ctx = zmq.Context()
+        client = ctx.socket(zmq.DEALER)
+        client.setsockopt(zmq.LINGER, 0)
+        client.connect(zmq_address("127.0.0.1", conn.side_channel_port))
+        served: list[int] = []  # what each serve answered
+        serve = conn._loop._serve
+        conn._loop._serve = lambda: served.append(serve()) or served[-1]  # type: ignore[method-assign]
+        try:
+            sent, cut = 3 * MAX_PER_POLL, []
+            with conn.faults.hold_loop():  # (only this thread ticks)
+                for _ in range(5):  # (a first serve that came before the whole burst arrived proves nothing: again)
+                    served.clear()
+                    for _ in range(sent):
+                        client.send_multipart([b"", p.encode(p.Hello(p.PROTOCOL_VERSION, "burst"))])
+                    poll_until(lambda: conn.drive() and sum(served) > 0, what="the first batch answered")
+                    assert served[-1] <= MAX_PER_POLL
+                    if served[-1] == MAX_PER_POLL:  # cut at the cap with the rest waiting: marked for the next tick
+                        cut.append(conn._loop._backlog)
+                    poll_until(lambda: conn.drive() and sum(served) == sent, what="every request answered")
+                    assert not conn._loop._backlog
+                    while client.poll(0):
+                        client.recv_multipart()
+                    if cut:
+                        break
+            assert cut == [True]
+        finally:
+            client.close()
+            ctx.term()
+
+
 def test_drive_never_waits_for_a_tick_in_progress() -> None:
     entered, leave = threading.Event(), threading.Event()
     with decoder() as dec:

@@ -139,7 +139,7 @@ class Loop:
         signals a change once: what one serve leaves waiting (it answers a bounded batch) is served at once."""
         try:
             self._serve()
-            self._backlog = bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+            self._backlog = bool(int(self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
         except Exception:  # (the ticks' work goes on: a message that failed was answered or dropped)
             log.exception("kvconnect side channel failed")
         while True:

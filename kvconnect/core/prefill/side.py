@@ -1,9 +1,10 @@
 """Prefill side of a connector: what its handshake says, and its lease table's answers to decodes.
 
-Loop thread only. A decode's PIN, CONFIRM or RELEASE names a lease by id and the blocks it is about; one
-that names blocks its lease does not hold, or a PIN/CONFIRM without a read token, is refused and leaves the
-lease as it is. A NIXL notification (sent by the decode's READ when it ends) completes the lease for its
-reader, but only when it names this incarnation and carries the digest of exactly the leased blocks.
+Inside a connector tick only (under its lock, on the loop thread or a driving engine thread). A decode's PIN,
+CONFIRM or RELEASE names a lease by id and the blocks it is about; one that names blocks its lease does not hold,
+or a PIN/CONFIRM without a read token, is refused and leaves the lease as it is. A NIXL notification (sent by
+the decode's READ when it ends) completes the lease for its reader, but only when it names this incarnation and
+carries the digest of exactly the leased blocks.
 """
 
 from __future__ import annotations
