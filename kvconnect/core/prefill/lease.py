@@ -104,7 +104,7 @@ class LeaseTable:
         leased = grouped(leased_ids, groups)
         if not ids:
             return f"block_ids: required (the lease holds {leased.ids.size} blocks)"
-        if len(group_sizes) > 1 and (len(group_sizes) > MAX_GROUPS or sum(group_sizes) != len(ids)):
+        if group_sizes and (len(group_sizes) > MAX_GROUPS or sum(group_sizes) != len(ids)):
             return "block_ids: group_sizes do not split them"
         named = grouped(ids, tuple(group_sizes))
         if named.num_groups != leased.num_groups:
