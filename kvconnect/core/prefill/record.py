@@ -3,6 +3,7 @@ table itself, and the rules it keeps: `lease.py`)."""
 
 from __future__ import annotations
 
+import heapq
 import hmac
 import secrets
 from collections.abc import Callable, Iterable, Sequence
@@ -56,6 +57,59 @@ class Lease:
         owner = self.tokens.get(reader)
         return owner is not None and hmac.compare_digest(owner, token)
 
+    def ended_answer(self, reader: int, token: bytes) -> LeaseState:
+        """What this ended lease tells `reader`: COMPLETED only to a token that read under it."""
+        if self.state is LeaseState.COMPLETED and not self.token_ok(reader, token):
+            return LeaseState.CONSUMED
+        return self.state
+
+
+def let_go(holders: dict[int, int], block_ids: Sequence[int]) -> list[int]:
+    """Drop one lease's hold on `block_ids` (`holders`: leases per block); returns those nobody holds now."""
+    freed = []
+    for b in block_ids:
+        left = holders.get(b, 0) - 1
+        if left > 0:
+            holders[b] = left
+        else:
+            holders.pop(b, None)
+            freed.append(b)
+    return freed
+
+
+def next_due(lease: Lease, tombstone_s: float, now_s: float) -> float:
+    """When the lease table's `expire` must look at `lease` next: a held lease at its TTL, or at its first pin's
+    deadline while pinned (a TTL that ran out under a pin matters only once the pins go: their deadlines, or the
+    unpin, which reschedules); an ended one still pinned at that deadline; else when its tombstone goes."""
+    if lease.pins:
+        first_pin = min(lease.pins.values())
+        held = lease.state is LeaseState.HELD and lease.expires_s > now_s
+        return min(first_pin, lease.expires_s) if held else first_pin
+    if lease.state is LeaseState.HELD:
+        return lease.expires_s
+    return lease.ended_s + tombstone_s
+
+
+class DueTimes:
+    """Lease ids by when something of theirs is due, a heap. One lease may have several entries (each change
+    adds one): an entry that finds nothing to do is harmless, the table reschedules the lease after looking."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, str]] = []
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def push(self, lease: Lease, tombstone_s: float, now_s: float) -> None:
+        heapq.heappush(self._heap, (next_due(lease, tombstone_s, now_s), lease.lease_id))
+
+    def pop_due(self, now_s: float) -> list[str]:
+        """The ids with an entry due by `now_s`, each once, in due order (their entries removed)."""
+        due: dict[str, None] = {}
+        while self._heap and self._heap[0][0] <= now_s:
+            due[heapq.heappop(self._heap)[1]] = None
+        return list(due)
+
 
 class EarlyReleases:
     """RELEASEs of leases not granted yet, remembered until their grace ends (an engine that grants a little
@@ -81,7 +135,12 @@ class EarlyReleases:
         return blocks_digest(block_ids[len(block_ids) - early[1] :]) == early[2]
 
     def forget_before(self, now_s: float) -> None:
-        for lease_id in [x for x, (until, _, _) in self._by_id.items() if until <= now_s]:
+        """Forget the releases whose grace ended: the oldest first, stopping at the first still in its grace
+        (every tick calls this: it never walks the others; one of a clock that went back goes later)."""
+        while self._by_id:
+            lease_id = next(iter(self._by_id))
+            if self._by_id[lease_id][0] > now_s:
+                return
             del self._by_id[lease_id]
 
 
