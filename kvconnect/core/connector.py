@@ -12,7 +12,9 @@ capture CUDA graphs as soon as it returns.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import select
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -269,6 +271,23 @@ class KVConnector:
         GIL anyway, instead of waiting for the interpreter to hand it to the loop thread (up to its 5 ms
         switch interval while the engine runs Python). See `Loop.drive`. Returns whether a tick ran."""
         return self._loop.drive()
+
+    def await_answers(self, timeout_s: float) -> bool:
+        """Block up to `timeout_s`, the GIL released, while all this connector's pulls wait for is a prefill's
+        lease answer, returning as soon as one may have come (the next `drive` handles it). False at once when
+        anything else is pending (a transfer runs: the caller polls it) or a tick runs now. An engine's idle
+        wait calls this between its ticks: an answer is then handled when it comes, not a tick later."""
+        if not self._loop.lock.acquire(blocking=False):
+            return False
+        try:
+            fds = self._decode.answer_fds()
+        finally:
+            self._loop.lock.release()
+        if not fds:
+            return False
+        with contextlib.suppress(OSError, ValueError):  # (a peer dropped meanwhile, its socket closed: go on)
+            select.select(fds, [], [], timeout_s)
+        return True
 
     def wait_idle(self, timeout_s: float = 5.0) -> None:
         """Block until the loop has processed everything queued so far (tests, shutdown)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ import msgspec
 from kvconnect.core.errors import KVConnectError
 from kvconnect.core.plan.layout import CacheSpec
 from kvconnect.core.plan.params import KVTransferParams
+from kvconnect.core.wire.protocol import LeaseAction
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,7 @@ class _Server:
         self.raw: Any = None  # the engine-shaped memory under `cache` (setup_views)
         self.freed: list[int] = []
         self.lease_ids: dict[str, str] = {}  # request id -> its latest lease's id
+        self.pins_go = threading.Event()  # (hold_pins)
 
     def lease_id(self, key: str) -> str:
         return self.lease_ids.get(key, key)
@@ -199,6 +202,20 @@ class _Server:
             except KVConnectError as e:
                 return "failed", type(e).__name__, str(e)
             return "ok", msgspec.to_builtins(stats)
+        if cmd == "hold_pins":  # answer no PIN until "answer_pins" (tests of a decode waiting for the answer)
+            self.pins_go = threading.Event()
+            answer = conn._prefill.answer
+
+            def held(msg: Any) -> Any:  # (the tick waits here, still draining NIXL: a READ over UCX needs this side)
+                while getattr(msg, "action", None) is LeaseAction.PIN and not self.pins_go.wait(0.001):
+                    conn._prefill.drain_notifs()
+                return answer(msg)
+
+            conn._prefill.answer = held
+            return "ok"
+        if cmd == "answer_pins":
+            self.pins_go.set()
+            return "ok"
         if cmd == "overwrite":
             for layer in range(spec.num_layers):
                 for t in cache.kv(layer):

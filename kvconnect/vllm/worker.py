@@ -51,6 +51,8 @@ DRIVE_EVERY_S = 0.0002  # ... during which it drives the connector this often; a
 # its pull). Leases alone are never driven that way: a lease may be held for seconds, and a spinning engine thread
 # keeps the process's other threads from the GIL (when only the loop thread answered PINs, the decode waited
 # 0.4-0.6 ms more for them, on an H200 host); polled, the wait's own ticks answer a PIN within DRIVE_EVERY_S
+ANSWER_WAIT_S = 0.0005  # ... while a decode's pulls wait only for the prefill's lease answers, it blocks on their
+# sockets this long at most (waking as one comes; spinning, it read an answer 0.25 ms after the prefill sent it)
 
 
 @dataclass
@@ -236,9 +238,12 @@ class WorkerSide:
             if self._idle and not finished_req_ids:  # wait a little for one to end, driving it meanwhile
                 deadline = time.monotonic() + IDLE_WAIT_S
                 every_s = self._drive_every_s if self._loads else DRIVE_EVERY_S
-                while not self._changed.wait(every_s) and time.monotonic() < deadline:
-                    conn.drive()
-                    time.sleep(0)  # (lets this process's other threads take the GIL between ticks)
+                while not self._changed.is_set() and time.monotonic() < deadline:
+                    if not conn.await_answers(ANSWER_WAIT_S):  # (only lease answers awaited: woken as one comes)
+                        if self._changed.wait(every_s):
+                            break
+                        time.sleep(0)  # (lets this process's other threads take the GIL between ticks)
+                    conn.drive()  # (a tick that makes a pull usable is reported at once: no GIL handed away first)
         self._changed.clear()
         self._seen_finished |= finished_req_ids & self._leased
         recving, failed = set(), set()

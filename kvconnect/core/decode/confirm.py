@@ -269,21 +269,24 @@ class LeaseConfirmation:
                 ),
             )
             return
-        src = pull.source
-        assert src is not None
-        confirm = lease_client.confirm(
+        if pull.pin is PinState.HELD and time.monotonic() < pull.pin_until_s:
+            pull.handle.stats.confirm_s = time.monotonic() - pull.read_done_s
+            self._succeed_checked(peer, pull)  # usable now: the pin held the blocks through the read
+            if pull.phase is PullPhase.DONE:  # (a digest that did not match failed it, and dropped the pin)
+                peer.channel.send(self._confirmation(pull))  # ends our pin and, for the last reader, the lease
+            return  # (its answer is not needed)
+        confirm = self._confirmation(pull)
+        peer.confirming[p.ref_of(confirm)] = pull
+        peer.channel.send(confirm)
+
+    def _confirmation(self, pull: Pull) -> p.LeaseRequest:
+        assert pull.source is not None
+        return lease_client.confirm(
             self._engine_id,
             pull.lease_id,
-            src,
+            pull.source,
             pull.remote_block_ids,
             pull.read_token,
             pull.prompt_digest,
             pull.group_sizes,
         )
-        if pull.pin is PinState.HELD and time.monotonic() < pull.pin_until_s:
-            peer.channel.send(confirm)  # ends our pin and, for the last reader, the lease; answer not needed
-            pull.handle.stats.confirm_s = time.monotonic() - pull.read_done_s
-            self._succeed_checked(peer, pull)
-            return
-        peer.confirming[p.ref_of(confirm)] = pull
-        peer.channel.send(confirm)

@@ -112,6 +112,11 @@ class DecodeSide:
     def busy(self) -> bool:  # a transfer or a confirmation in flight: the loop then spins instead of sleeping
         return bool(self._posted) or any(peer.confirming for peer in self.peers.all())
 
+    def answer_fds(self) -> list[int]:  # the channels owing lease answers, when those are all it waits for
+        if self._posted or self._staging_wait or self._confirm.pending or self.claims:
+            return []
+        return [peer.channel.fd for peer in self.peers.all() if peer.confirming]
+
     def quiet(self) -> bool:  # nothing waits for a tick: no transfer, handshake, confirmation, claim or release
         busy = self._posted or self._staging_wait or self.claims or self.abandoned or self.peers.short
         return not (busy or self._confirm.pending or any(peer.waiting or peer.confirming for peer in self.peers.all()))
@@ -157,11 +162,8 @@ class DecodeSide:
             self.peers.setup(peer, info)
         except Exception as e:  # a set-up that failed half way: the peer is dropped and handshaken again
             self._counters.handshake_failures += 1
-            error = (
-                e
-                if isinstance(e, KVConnectError)
-                else HandshakeError(f"engine {peer.engine_id}: peer set-up failed: {type(e).__name__}: {e}")
-            )
+            why = f"engine {peer.engine_id}: peer set-up failed: {type(e).__name__}: {e}"
+            error = e if isinstance(e, KVConnectError) else HandshakeError(why)
             if not isinstance(e, KVConnectError):
                 log.exception("peer %s: set-up failed", peer.key)
             self._fail_peer(peer, error)

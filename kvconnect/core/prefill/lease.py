@@ -86,8 +86,8 @@ class LeaseTable:
 
     @property
     def num_held(self) -> int:
-        with self._lock:
-            return sum(1 for lease in self._leases.values() if lease.state is LeaseState.HELD)
+        with self._lock:  # (counted as they change: the loop thread asks at every wait, tombstones are many)
+            return self.counts[LeaseState.HELD]
 
     @property
     def num_blocks_held(self) -> int:

@@ -198,6 +198,7 @@ class PeerChannel:
         if ":" in host:
             self.sock.setsockopt(zmq.IPV6, 1)
         self.sock.connect(self.addr)
+        self.fd: int = int(self.sock.getsockopt(zmq.FD))  # readable when an answer may have come (`select` only)
 
     def send(self, msg: p.Hello | p.LeaseRequest) -> None:
         if self._secret:
