@@ -134,12 +134,20 @@ def test_work_queued_by_a_caller_about_to_drive_does_not_wake_the_loop_thread() 
         poll_until(lambda: ran or dec.drive() and False, what="the queued work ran")
 
 
-def test_the_vllm_worker_side_drives_its_pulls_from_the_engine_thread() -> None:
+def test_the_vllm_worker_side_drives_its_pulls_from_the_engine_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     """The plug-in's worker drives the connector in `on_orders` and `results`: with the loop thread held, a
-    load still finishes through vLLM's own step calls alone."""
+    load still finishes through vLLM's own step calls alone. Its stats count from the worker's request: the
+    checks before the pull is handed to the connector are part of requested -> usable (they were left out,
+    0.1-0.4 ms of it in vLLM on an H200 host). The worker's clock here runs 5 s behind, as if they took 5 s."""
+    from types import SimpleNamespace
+
+    import kvconnect.vllm.worker as worker_module
     from kvconnect.harness.vllm_shapes import packed_views
     from kvconnect.vllm.metadata import PullOrder, StepOrders
     from kvconnect.vllm.worker import WorkerSide
+
+    late = SimpleNamespace(monotonic=lambda: time.monotonic() - 5.0, time=time.time, sleep=time.sleep)
+    monkeypatch.setattr(worker_module, "time", late)
 
     pre = PrefillProcess.launch()
     try:
@@ -161,7 +169,9 @@ def test_the_vllm_worker_side_drives_its_pulls_from_the_engine_thread() -> None:
                 )
                 # the pull was started on this thread; the loop thread was not woken to take the tick first
                 assert conn._loop.wakeups == wakeups
+                handle = worker._loads["worker-driven"].handle
                 done = poll_until(lambda: worker.transfer_results(set())[1], what="the load was reported")
+            assert handle is not None and handle.stats.total_s >= 5.0 and handle.stats.queued_s >= 5.0
             assert done == {"worker-driven"} and not worker.get_block_ids_with_load_errors()
             for local, remote in zip([4, 1], [2, 9], strict=True):
                 assert conn.cache.block_bytes(local) == pre.ask("block", remote)

@@ -5,7 +5,8 @@ with that environment (vLLM's servers included) then appends lines `monotonic_ns
 `DIR/p<pid>.log`. The clock is the host's monotonic clock, so lines of two processes on one host compare.
 `report.py DIR` joins them. Events: a decode's PIN built and sent (`pin_sent`, `sent_done`), the prefill's server
 handling a request (`ans_in`, `answer`, `ans_out`), the decode's tick reading answers (`recv`) and handling the
-PIN's (`pin_answer`), a vLLM worker inside `transfer_results` (`tr_in`, `tr_out`), and connector ticks over
+PIN's (`pin_answer`), a vLLM worker inside `transfer_results` (`tr_in`, `tr_out`) and `bind_connector_metadata`
+(`bind_in`, `bind_out`), a pull made usable (`usable`) and reported to vLLM (`reported`), and connector ticks over
 0.1 ms (`slow_tick`). A diagnostic: it wraps private methods, and each event costs a few microseconds.
 """
 
@@ -95,7 +96,8 @@ def _connector(m: Any) -> None:
 
 
 def _worker(m: Any) -> None:
-    results = m.WorkerSide.transfer_results
+    results, pull_done, report = m.WorkerSide.transfer_results, m.WorkerSide._pull_done, m.WorkerSide._report_timeline
+    bind = m.WorkerSide.bind_connector_metadata
 
     def traced(self: Any, finished: set[str]) -> Any:
         rec("tr_in", int(self._idle), len(self._loads), len(self._leased))
@@ -104,7 +106,21 @@ def _worker(m: Any) -> None:
         finally:
             rec("tr_out")
 
-    m.WorkerSide.transfer_results = traced
+    def traced_done(self: Any, stats: Any, error: Any) -> None:
+        pull_done(self, stats, error)
+        rec("usable", stats.request_id[-8:], int(error is None))
+
+    def traced_report(self: Any, load: Any) -> None:
+        rec("reported", load.order.request_id[-8:])
+        report(self, load)
+
+    def traced_bind(self: Any, orders: Any) -> None:
+        rec("bind_in", len(orders.pulls), len(orders.leases), int(orders.idle))
+        bind(self, orders)
+        rec("bind_out")
+
+    m.WorkerSide.transfer_results, m.WorkerSide._pull_done = traced, traced_done
+    m.WorkerSide._report_timeline, m.WorkerSide.bind_connector_metadata = traced_report, traced_bind
 
 
 PATCHES: dict[str, Callable[[Any], None]] = {

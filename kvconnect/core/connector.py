@@ -210,13 +210,15 @@ class KVConnector:
         request_id: str | None = None,
         prompt_digest: bytes = b"",
         driven: bool = False,
+        requested_s: float | None = None,
     ) -> PullHandle:
         """Start pulling `params.remote_block_ids` into `local_block_ids`; never blocks on the peer.
         InvalidRequestError (naming the field) when the params or ids are invalid: nothing is started.
         `prompt_digest`: the digest of the prompt this decode serves; a lease bound to another prompt
         refuses the read (LeaseLostError) and nothing of it is used. `driven`: the caller calls `drive()` right
-        after, which then starts the pull on its thread (the loop thread is not woken for it)."""
-        handle, start = self._decode.prepare(params, local_block_ids, request_id, prompt_digest)
+        after, which then starts the pull on its thread (the loop thread is not woken for it). `requested_s`: when
+        the caller was asked for the pull (`time.monotonic()`, default now): the pull's stats count from there."""
+        handle, start = self._decode.prepare(params, local_block_ids, request_id, prompt_digest, requested_s)
         self._loop.call(start, driver=driven)
         return handle
 

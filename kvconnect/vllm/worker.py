@@ -181,6 +181,7 @@ class WorkerSide:
         self._require().release_remote(params)
 
     def _start(self, order: PullOrder) -> None:
+        requested_s = time.monotonic()  # (the pull's stats count from here: its checks below are part of it)
         load = _Load(order, None, None, requested_at=time.time())
         self._loads[order.request_id] = load
         try:
@@ -207,7 +208,7 @@ class WorkerSide:
                 remote_num_tokens=None,
             )
             load.handle = self._require().pull(
-                wanted, local.ids.tolist(), order.request_id, order.prompt_digest, driven=True
+                wanted, local.ids.tolist(), order.request_id, order.prompt_digest, driven=True, requested_s=requested_s
             )  # (bind_connector_metadata drives right after)
         except KVConnectError as e:
             self._failed(load, e)

@@ -217,10 +217,12 @@ class Pull:
         spec: CacheSpec,
         timeout_s: float,
         prompt_digest: bytes = b"",
+        requested_s: float | None = None,
     ) -> Pull:
-        """Validate a pull request (any thread); InvalidRequestError names the field, nothing is posted."""
+        """Validate a pull request (any thread); InvalidRequestError names the field, nothing is posted.
+        `requested_s`: when the caller asked for it (monotonic; default now), where its timeline starts."""
         target = validated_pull(params, local_block_ids, spec.num_blocks, spec.model_kv_heads)
-        now = time.monotonic()
+        now = time.monotonic() if requested_s is None else requested_s
         return cls(
             handle=PullHandle(request_id or target.request_id, target.engine_id),
             remote_engine_id=target.engine_id,

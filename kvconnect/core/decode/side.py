@@ -86,11 +86,11 @@ class DecodeSide:
         local_block_ids: Sequence[int],
         request_id: str | None,
         prompt_digest: bytes = b"",
+        requested_s: float | None = None,
     ) -> tuple[PullHandle, Callable[[], None]]:
         """Validate a pull; returns its handle and the function that starts it at the next tick."""
-        pull = Pull.from_params(
-            params, local_block_ids, request_id, self._cache.spec, self._config.pull_timeout_s, prompt_digest
-        )
+        spec, timeout_s = self._cache.spec, self._config.pull_timeout_s
+        pull = Pull.from_params(params, local_block_ids, request_id, spec, timeout_s, prompt_digest, requested_s)
         self._allowed.check(pull.remote_host, "kv_transfer_params.remote_host")
         sources = self.peers.sources(pull.remote_tp)
         parts = pull.parts_for(sources.reads)
