@@ -17,6 +17,7 @@ from pathlib import Path
 
 Event = tuple[int, str, str, str, list[str]]  # (monotonic ns, process, thread, event, its arguments)
 PARTS = ("build+send", "to prefill", "prefill handling", "back to decode", "decode handling")
+STEP = ("start_in", "pull_in", "pull_out", "start_out", "pickup", "pin_sent", "bind_out", "tr_in", "usable", "reported")
 
 
 def load(d: Path) -> list[Event]:
@@ -86,6 +87,36 @@ def main() -> None:
         slow = [int(e[4][0]) for e in mine if e[3] == "slow_tick"]
         if slow:
             print(f"process {pid}: {len(slow)} ticks over 0.1 ms, median {statistics.median(slow)} us, max {max(slow)}")
+    step_of_pull(events)
+
+
+def step_of_pull(events: list[Event]) -> None:
+    """The decode's step that starts a pull, from its `bind_connector_metadata` on: when each later event came
+    (median over the pulls, ms), and the share of that time the engine thread spent on a CPU (`thread_cpu_ns`, the
+    events' last field, where recorded): the rest it waited (for the GIL, or off a CPU)."""
+    starts = [i for i, e in enumerate(events) if e[3] == "bind_in" and e[4][:1] == ["1"]]
+    at: dict[str, list[float]] = {k: [] for k in STEP}
+    cpu: dict[str, list[float]] = {k: [] for k in STEP}
+    for i in starts:
+        t0, pid, thread = events[i][0], events[i][1], events[i][2]
+        c0 = int(events[i][4][-1]) if len(events[i][4]) > 3 else None
+        seen = set()
+        for t, p, th, kind, args in events[i + 1 : i + 500]:
+            if p != pid or kind not in at or kind in seen:
+                continue
+            seen.add(kind)
+            at[kind].append((t - t0) / 1e6)
+            if c0 is not None and th == thread and args and args[-1].isdigit():
+                cpu[kind].append((int(args[-1]) - c0) / 1e6)
+            if kind == "reported":
+                break
+    if not any(at.values()):
+        return
+    print(f"the decode's pull step, {len(starts)} pulls: ms from bind_connector_metadata's start (on a CPU)")
+    for k in STEP:
+        if at[k]:
+            on_cpu = f"  ({statistics.median(cpu[k]):.3f})" if cpu[k] else ""
+            print(f"  {k:10s} {statistics.median(at[k]):7.3f}{on_cpu}")
 
 
 if __name__ == "__main__":

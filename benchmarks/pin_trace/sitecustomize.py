@@ -1,13 +1,14 @@
 """Where a PIN's round trip goes, inside real engines: a trace of kvconnect's side channel in every process.
 
-Put this directory first on PYTHONPATH and set KVCONNECT_PIN_TRACE to a directory; every Python process started
-with that environment (vLLM's servers included) then appends lines `monotonic_ns thread event args...` to
-`DIR/p<pid>.log`. The clock is the host's monotonic clock, so lines of two processes on one host compare.
-`report.py DIR` joins them. Events: a decode's PIN built and sent (`pin_sent`, `sent_done`), the prefill's server
-handling a request (`ans_in`, `answer`, `ans_out`), the decode's tick reading answers (`recv`) and handling the
-PIN's (`pin_answer`), a vLLM worker inside `transfer_results` (`tr_in`, `tr_out`) and `bind_connector_metadata`
-(`bind_in`, `bind_out`), a pull made usable (`usable`) and reported to vLLM (`reported`), and connector ticks over
-0.1 ms (`slow_tick`). A diagnostic: it wraps private methods, and each event costs a few microseconds.
+Put this directory first on PYTHONPATH and set KVCONNECT_PIN_TRACE to a directory; every Python process started with
+that environment (vLLM's servers included) then appends lines `monotonic_ns thread event args... thread_cpu_ns` to
+`DIR/p<pid>.log`. The clock is the host's monotonic clock, so lines of two processes on one host compare. `report.py
+DIR` joins them. Events: a decode's PIN built and sent (`pin_sent`, `sent_done`), the prefill's server handling a
+request (`ans_in`, `answer`, `ans_out`), the decode's tick reading answers (`recv`) and handling the PIN's
+(`pin_answer`), a vLLM worker inside `transfer_results` (`tr_in`, `tr_out`) and `bind_connector_metadata` (`bind_in`,
+`bind_out`), the worker's and the connector's start of a pull (`start_in`, `start_out`, `pull_in`, `pull_out`) and
+its pickup by a tick (`pickup`), a pull made usable (`usable`) and reported to vLLM (`reported`), and connector ticks
+over 0.1 ms (`slow_tick`). A diagnostic: it wraps private methods, and each event costs a few microseconds.
 """
 
 from __future__ import annotations
@@ -30,7 +31,12 @@ def rec(*args: object) -> None:
     with _lock:
         if not _out:
             _out.append(open(f"{_DIR}/p{os.getpid()}.log", "a", buffering=1))  # noqa: SIM115 (kept open)
-        fields = (time.monotonic_ns(), threading.current_thread().name[:12].replace(" ", "_"), *args)
+        fields = (
+            time.monotonic_ns(),
+            threading.current_thread().name[:12].replace(" ", "_"),
+            *args,
+            time.thread_time_ns(),
+        )
         _out[0].write(" ".join(str(x) for x in fields) + "\n")
 
 
@@ -43,6 +49,16 @@ def _prefill_side(m: Any) -> None:
         return reply
 
     m.PrefillSide.answer = traced
+
+
+def _decode_side(m: Any) -> None:
+    start = m.DecodeSide._start
+
+    def traced(self: Any, pull: Any) -> None:
+        rec("pickup", pull.lease_id[:8])
+        start(self, pull)
+
+    m.DecodeSide._start = traced
 
 
 def _confirm(m: Any) -> None:
@@ -83,7 +99,16 @@ def _handshake(m: Any) -> None:
 
 
 def _connector(m: Any) -> None:
-    tick = m.KVConnector._tick
+    tick, pull = m.KVConnector._tick, m.KVConnector.pull
+
+    def traced_pull(self: Any, *args: Any, **kwargs: Any) -> Any:
+        rec("pull_in")
+        try:
+            return pull(self, *args, **kwargs)
+        finally:
+            rec("pull_out")
+
+    m.KVConnector.pull = traced_pull
 
     def traced(self: Any) -> None:
         t0 = time.monotonic_ns()
@@ -119,6 +144,14 @@ def _worker(m: Any) -> None:
         bind(self, orders)
         rec("bind_out")
 
+    start = m.WorkerSide._start
+
+    def traced_start(self: Any, order: Any) -> None:
+        rec("start_in", order.request_id[-8:])
+        start(self, order)
+        rec("start_out")
+
+    m.WorkerSide._start = traced_start
     m.WorkerSide.transfer_results, m.WorkerSide._pull_done = traced, traced_done
     m.WorkerSide._report_timeline, m.WorkerSide.bind_connector_metadata = traced_report, traced_bind
 
@@ -126,6 +159,7 @@ def _worker(m: Any) -> None:
 PATCHES: dict[str, Callable[[Any], None]] = {
     "kvconnect.core.prefill.side": _prefill_side,
     "kvconnect.core.decode.confirm": _confirm,
+    "kvconnect.core.decode.side": _decode_side,
     "kvconnect.core.wire.handshake": _handshake,
     "kvconnect.core.connector": _connector,
     "kvconnect.vllm.worker": _worker,
