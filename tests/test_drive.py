@@ -297,3 +297,24 @@ def test_an_idle_step_waiting_only_for_the_prefills_answer_blocks_on_its_channel
             decode.close()
     finally:
         pre.stop()
+
+
+def test_the_wait_for_an_answer_blocks_on_descriptors_past_1023() -> None:
+    """A busy vLLM server holds more than a thousand descriptors. `select` refuses any past 1023 at once: an idle
+    step waiting on such a channel returned at once, every time, and drove tick after tick without yielding."""
+    import os
+
+    from kvconnect.core.connector import wait_readable
+
+    r, w = os.pipe()
+    high = 1500  # (this process may hold 20,000: `ulimit -n`)
+    os.dup2(r, high)
+    try:
+        t0 = time.monotonic()
+        assert wait_readable([high], 0.05)  # nothing to read: it waits its whole timeout
+        assert time.monotonic() - t0 >= 0.05
+        os.write(w, b"x")
+        assert wait_readable([high], 30.0)  # readable: at once
+    finally:
+        for fd in (r, w, high):
+            os.close(fd)

@@ -12,7 +12,6 @@ capture CUDA graphs as soon as it returns.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import select
 import time
@@ -45,6 +44,20 @@ from kvconnect.core.wire import protocol as p
 from kvconnect.core.wire.handshake import SideChannelServer
 
 log = logging.getLogger(__name__)
+
+
+def wait_readable(fds: list[int], timeout_s: float) -> bool:
+    """Block up to `timeout_s` (at least a millisecond), the GIL released, until one of `fds` is readable; False if
+    the wait failed (the caller then polls). `poll`, not `select`: a busy server's descriptors go past 1023, which
+    `select` refuses at once (the wait would have spun)."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    try:
+        poller.poll(max(timeout_s * 1000, 1.0))
+    except OSError:
+        return False
+    return True
 
 
 class KVConnector:
@@ -285,11 +298,7 @@ class KVConnector:
             fds = self._decode.answer_fds()
         finally:
             self._loop.lock.release()
-        if not fds:
-            return False
-        with contextlib.suppress(OSError, ValueError):  # (a peer dropped meanwhile, its socket closed: go on)
-            select.select(fds, [], [], timeout_s)
-        return True
+        return bool(fds) and wait_readable(fds, timeout_s)
 
     def wait_idle(self, timeout_s: float = 5.0) -> None:
         """Block until the loop has processed everything queued so far (tests, shutdown)."""
