@@ -4,8 +4,11 @@ loop thread is held (`FaultHooks.hold_loop`) so that only the driving thread can
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -233,28 +236,21 @@ def test_an_idle_step_that_waits_only_for_leases_polls_and_never_spins() -> None
         worker.close()
 
 
-def test_an_idle_step_waiting_only_for_the_prefills_answer_blocks_on_its_channel_and_reports_the_pull_at_once(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Once its transfer has ended, a pull waits only for the prefill's answer to its PIN. The idle step then
-    blocks on the channels owing answers (`KVConnector.await_answers`, the GIL released) and drives as one comes,
-    instead of spinning tick after tick: spinning, on an H200 host, it read an answer 0.25 ms after the prefill
-    sent it. Here the prefill process holds its PIN answers until told, from another thread, while the decode
-    waits; both waits are stretched to 30 s, so only the answer can end them early."""
-    import kvconnect.vllm.worker as worker_module
+@contextlib.contextmanager
+def a_pin_unanswered(faults: FaultHooks | None = None) -> Iterator[tuple[PrefillProcess, Any, KVConnector]]:
+    """A prefill process holding its PIN answers (until `answer_pins`) and a vLLM worker whose pull "late" has
+    read its blocks (2, 9 into 4, 1) and waits only for that answer: (prefill, worker, its connector)."""
     from kvconnect.harness.vllm_shapes import packed_views
     from kvconnect.vllm.metadata import PullOrder, StepOrders
     from kvconnect.vllm.worker import WorkerSide
 
-    monkeypatch.setattr(worker_module, "IDLE_WAIT_S", 30.0)
-    monkeypatch.setattr(worker_module, "ANSWER_WAIT_S", 30.0)
     pre = PrefillProcess.launch()
     try:
         pre.wait_started()
         pre.setup_views("LBHNC", dict(layers=2, blocks=12, heads=2, tokens=32, head_dim=32, page="vllm:cpu-vec"), 4)
         pre.wait_setup()
         views, _ = packed_views("LBHNC", 2, 12, 2, 32, 32, seed=1)
-        decode = WorkerSide(config_for_tests(), tp_rank=0, total_kv_heads=2)
+        decode = WorkerSide(config_for_tests(), tp_rank=0, total_kv_heads=2, faults=faults)
         decode.register_kv_caches(views, num_blocks=12, block_size=32, tp_size=1, page="vllm:cpu-vec")
         dec = decode.connector
         assert dec is not None
@@ -264,39 +260,69 @@ def test_an_idle_step_waiting_only_for_the_prefills_answer_blocks_on_its_channel
             params = pre.lease("answered late", [2, 9], 64)
             decode.bind_connector_metadata(StepOrders(pulls=[PullOrder("late", params, [[4, 1]], 64, 0)], idle=True))
             poll_until(lambda: (dec.drive(), dec.await_answers(0))[1], what="the transfer done, the PIN unanswered")
-            drives, awaits, entered = [], [], threading.Event()
-            drive, await_answers = dec.drive, dec.await_answers
-
-            def counted_await(timeout_s: float) -> bool:
-                entered.set()
-                t0 = time.monotonic()
-                try:
-                    return await_answers(timeout_s)
-                finally:
-                    awaits.append(time.monotonic() - t0)
-
-            def counted_drive() -> bool:
-                drives.append(1)
-                if len(drives) > 1:  # (a drive after the step's first is inside the wait, too)
-                    entered.set()
-                return drive()
-
-            dec.drive = counted_drive  # type: ignore[method-assign]
-            dec.await_answers = counted_await  # type: ignore[method-assign]
-            answer = threading.Thread(target=lambda: entered.wait(30) and pre.ask("answer_pins"))
-            answer.start()
-            decode._changed.clear()  # (the first pull's end set it: this step must wait for the second)
-            _, recving, failed = decode.transfer_results(set())
-            answer.join(30)
-            assert recving == {"late"} and not failed  # reported by the step that waited for it
-            assert len(awaits) == 1 and awaits[0] < 15, awaits  # woken by the answer ...
-            assert len(drives) <= 3, len(drives)  # ... and not driving tick after tick meanwhile
-            for local, remote in zip([4, 1], [2, 9], strict=True):
-                assert dec.cache.block_bytes(local) == pre.ask("block", remote)
+            yield pre, decode, dec
         finally:
             decode.close()
     finally:
         pre.stop()
+
+
+def test_an_idle_step_waiting_only_for_the_prefills_answer_blocks_on_its_channel_and_reports_the_pull_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once its transfer has ended, a pull waits only for the prefill's answer to its PIN. The idle step then
+    blocks on the channels owing answers (`KVConnector.await_answers`, the GIL released) and drives as one comes,
+    instead of spinning tick after tick: spinning, on an H200 host, it read an answer 0.25 ms after the prefill
+    sent it. Here the prefill process holds its PIN answers until told, from another thread, while the decode
+    waits; both waits are stretched to 30 s, so only the answer can end them early."""
+    import kvconnect.vllm.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "IDLE_WAIT_S", 30.0)
+    monkeypatch.setattr(worker_module, "ANSWER_WAIT_S", 30.0)
+    with a_pin_unanswered() as (pre, decode, dec):
+        drives, awaits, entered = [], [], threading.Event()
+        drive, await_answers = dec.drive, dec.await_answers
+
+        def counted_await(timeout_s: float) -> bool:
+            entered.set()
+            t0 = time.monotonic()
+            try:
+                return await_answers(timeout_s)
+            finally:
+                awaits.append(time.monotonic() - t0)
+
+        def counted_drive() -> bool:
+            drives.append(1)
+            if len(drives) > 1:  # (a drive after the step's first is inside the wait, too)
+                entered.set()
+            return drive()
+
+        dec.drive = counted_drive  # type: ignore[method-assign]
+        dec.await_answers = counted_await  # type: ignore[method-assign]
+        answer = threading.Thread(target=lambda: entered.wait(30) and pre.ask("answer_pins"))
+        answer.start()
+        decode._changed.clear()  # (the first pull's end set it: this step must wait for the second)
+        _, recving, failed = decode.transfer_results(set())
+        answer.join(30)
+        assert recving == {"late"} and not failed  # reported by the step that waited for it
+        assert len(awaits) == 1 and awaits[0] < 15, awaits  # woken by the answer ...
+        assert len(drives) <= 3, len(drives)  # ... and not driving tick after tick meanwhile
+        for local, remote in zip([4, 1], [2, 9], strict=True):
+            assert dec.cache.block_bytes(local) == pre.ask("block", remote)
+
+
+def test_an_answer_that_arrived_unsignalled_is_read_at_once_not_waited_for() -> None:
+    """A channel's descriptor signals only news: once ZMQ has taken an answer's arrival in (while sending on that
+    socket, say, another pull's PIN), the answer waits unsignalled, and blocking on the descriptor would sleep
+    through it. The wait asks the socket first and does not block then."""
+    import zmq
+
+    with a_pin_unanswered(FaultHooks()) as (pre, _decode, dec), dec.faults.hold_loop():  # (only this thread reads)
+        assert pre.ask("answer_pins") == "ok"
+        (channel,) = [peer.channel for peer in dec._decode.peers.all()]
+        poll_until(lambda: channel.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN, what="the answer, taken in by ZMQ")
+        assert dec.await_answers(5.0) is False  # (it would have slept the 5 s through)
+        poll_until(lambda: dec.drive() and dec._decode.quiet(), what="the pull, finished by this thread")
 
 
 def test_the_wait_for_an_answer_blocks_on_descriptors_past_1023() -> None:

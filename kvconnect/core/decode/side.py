@@ -113,9 +113,9 @@ class DecodeSide:
         return bool(self._posted) or any(peer.confirming for peer in self.peers.all())
 
     def answer_fds(self) -> list[int]:  # the channels owing lease answers, when those are all it waits for
-        if self._posted or self._staging_wait or self._confirm.pending or self.claims:
-            return []
-        return [peer.channel.fd for peer in self.peers.all() if peer.confirming]
+        owing = [peer.channel for peer in self.peers.all() if peer.confirming]
+        busy = self._posted or self._staging_wait or self._confirm.pending or self.claims
+        return [] if busy or any(x.has_answer() for x in owing) else [x.fd for x in owing]  # (has_answer: see there)
 
     def quiet(self) -> bool:  # nothing waits for a tick: no transfer, handshake, confirmation, claim or release
         busy = self._posted or self._staging_wait or self.claims or self.abandoned or self.peers.short

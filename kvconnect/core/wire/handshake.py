@@ -198,7 +198,7 @@ class PeerChannel:
         if ":" in host:
             self.sock.setsockopt(zmq.IPV6, 1)
         self.sock.connect(self.addr)
-        self.fd: int = int(self.sock.getsockopt(zmq.FD))  # readable when an answer may have come (`select` only)
+        self.fd: int = int(self.sock.getsockopt(zmq.FD))  # signals when an answer may have come (`poll` it only)
 
     def send(self, msg: p.Hello | p.LeaseRequest) -> None:
         if self._secret:
@@ -208,6 +208,11 @@ class PeerChannel:
             self.sock.send_multipart([b"", p.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as e:
             raise HandshakeError(f"side channel {self.addr}: {e}") from e
+
+    def has_answer(self) -> bool:
+        """Whether an answer waits to be received. `fd` signals only news: an answer whose arrival ZMQ already took
+        in (during a send, say) waits unsignalled, so ask this before waiting on `fd`."""
+        return bool(int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
     def receive(self) -> list[tuple[str, p.PeerInfo | p.LeaseReply | HandshakeError]]:
         out: list[tuple[str, p.PeerInfo | p.LeaseReply | HandshakeError]] = []
