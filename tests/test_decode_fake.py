@@ -57,6 +57,24 @@ def test_a_pull_over_the_fake_wire_is_byte_exact_confirmed_and_digest_checked(pr
     )
 
 
+def test_a_pinned_pull_confirms_even_when_its_success_callback_raises(prefill, wire) -> None:
+    """A pinned pull is usable before its CONFIRM is sent. Over a transport that tells the prefill nothing (this
+    wire, CUDA IPC) the CONFIRM is what ends the lease: it must go even when the success's own callback raises, or
+    the lease would be held until its pin's deadline (here two minutes) and then its TTL."""
+
+    def raising(stats: object, error: object) -> None:
+        raise RuntimeError("a success callback that fails")
+
+    params = prefill.lease(rid(), [5, 6], 32)
+    cache = KVCache.allocate(spec(LayoutKind.BLOCKS_FIRST, 32))
+    config = config_for_tests(pull_timeout_s=120.0)
+    with KVConnector(cache, config, fast_paths=(wire.path(),), on_pull_done=raising) as dec:
+        handle = dec.pull(params, [0, 1])
+        poll_until(handle.done, what="the pull")
+        assert handle.error is None
+        poll_until(lambda: prefill.lease_state(params.remote_lease_id).value == "completed", what="lease completed")
+
+
 def test_a_transfer_that_never_ends_fails_by_its_deadline_and_its_blocks_wait_until_it_lands(prefill, wire) -> None:
     wire.hold = True
     params = prefill.lease(rid(), [5, 6], 32)

@@ -271,9 +271,11 @@ class LeaseConfirmation:
             return
         if pull.pin is PinState.HELD and time.monotonic() < pull.pin_until_s:
             pull.handle.stats.confirm_s = time.monotonic() - pull.read_done_s
-            self._succeed_checked(peer, pull)  # usable now: the pin held the blocks through the read
-            if pull.phase is PullPhase.DONE:  # (a digest that did not match failed it, and dropped the pin)
-                peer.channel.send(self._confirmation(pull))  # ends our pin and, for the last reader, the lease
+            try:
+                self._succeed_checked(peer, pull)  # usable now: the pin held the blocks through the read
+            finally:  # (whatever the success's callbacks do; a digest that did not match failed it, dropped the pin)
+                if pull.phase is PullPhase.DONE:
+                    peer.channel.send(self._confirmation(pull))  # ends our pin and, for the last reader, the lease
             return  # (its answer is not needed)
         confirm = self._confirmation(pull)
         peer.confirming[p.ref_of(confirm)] = pull
