@@ -26,28 +26,10 @@ class Clock:
 
 
 class ScanningTable(LeaseTable):
-    """The reference: `expire` as it was before the heap, a scan of every lease the table remembers."""
+    """The reference: `expire` as it was before the heap, looking at every lease the table remembers."""
 
-    def expire(self) -> list[Lease]:
-        now = self._clock()
-        expired: list[Lease] = []
-        unpinned = []
-        with self._lock:
-            for rid, lease in list(self._leases.items()):
-                if lease.pins:
-                    for reader, until in list(lease.pins.items()):
-                        if now >= until:
-                            del lease.pins[reader]
-                    freeing = self._take_deferred(lease)
-                    if freeing is not None:
-                        unpinned.append(freeing)
-                if lease.state is LeaseState.HELD and now >= lease.expires_s and not lease.pins:
-                    expired.append(lease)
-                elif lease.state is not LeaseState.HELD and not lease.deferred and now - lease.ended_s >= TOMB_S:
-                    del self._leases[rid]
-        for freeing in unpinned:
-            self._free(*freeing)
-        return [x for x in expired if self._end(x.lease_id, LeaseState.EXPIRED) is LeaseState.EXPIRED]
+    def _due_ids(self, now: float) -> list[str]:
+        return list(self._leases)
 
 
 def make(kind: type[LeaseTable]) -> tuple[LeaseTable, Clock, list[int]]:

@@ -23,9 +23,8 @@ that will read them. The rules:
 - **Bounded.** Leases hold at most `max_blocks` blocks at once (`lease_cache_share` of the cache): a grant
   beyond it expires the oldest leases nobody has pinned (prefill legs whose decode never came). A grant is
   never refused, and pinned leases (being read) stay, so those and the grant may go over the bound.
-- **Work by what is due.** `expire` runs every connector tick, on the engine's thread too: it looks only at
-  the leases with something due (a TTL, a pin's deadline, a tombstone to forget), kept in a heap of due
-  times, never at all the leases of the last `tombstone_s` (at 20 requests a second, over a thousand).
+- **Work by what is due.** `expire` runs at every connector tick, the engine's included: it looks only at leases
+  with something due (a TTL, a pin's deadline, a tombstone to forget), never at the minute's thousand tombstones.
 - **Early releases.** With a grace (`grace_s`: engines that grant a little after their params left), a
   RELEASE of a lease not granted yet is remembered that long, and the grant it precedes ends at once,
   RELEASED, if the release named a suffix of its blocks.
@@ -311,7 +310,7 @@ class LeaseTable:
         unpinned: list[tuple[Lease, list[int], Callable[[list[int]], None] | None]] = []
         tomb = self.tombstone_s
         with self._lock:
-            due = self._due.pop_due(now)
+            due = self._due_ids(now)
             self.looked_at += len(due)
             for rid in due:
                 lease = self._leases.get(rid)
@@ -340,6 +339,9 @@ class LeaseTable:
                 "lease %s expired unread after %.3gs: %d blocks back to the allocator", lease.request_id, age, n
             )
         return ended
+
+    def _due_ids(self, now: float) -> list[str]:  # the leases `expire` looks at: those with something due (lock held)
+        return self._due.pop_due(now)
 
     def force_expire(self, lease_id: str, scrub: Callable[[list[int]], None] | None = None) -> LeaseState:
         """Expire one lease now (operator tooling; fault injection, faults.py). `scrub(block_ids)` runs after the
