@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvconnect.core.prefill.lease import LeaseTable
-from kvconnect.core.prefill.record import EarlyReleases, Lease, let_go
+from kvconnect.core.prefill.record import EarlyReleases, Lease, let_go, room_for
 from kvconnect.core.wire.protocol import LeaseState
 
 TTL_S, TOMB_S = 10.0, 30.0
@@ -55,6 +56,30 @@ def test_a_tick_looks_only_at_the_leases_with_something_due() -> None:
     t.expire()
     assert t.looked_at == 1200 and t.state("done0") is LeaseState.UNKNOWN and t.state("held0") is LeaseState.UNKNOWN
     assert sorted(freed) == [*range(500), *range(1000, 1100)]
+
+
+def test_a_grant_over_the_cache_share_looks_only_at_the_held_leases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Making room (module doc of lease.py, "Bounded") expires the oldest held leases nobody pinned; it walked every
+    lease the table remembered, a minute's tombstones included, at each grant over the bound."""
+    import kvconnect.core.prefill.lease as lease_module
+
+    seen: list[int] = []
+
+    def counting(ids, leases, holders, max_blocks):  # type: ignore[no-untyped-def]
+        leases = list(leases)
+        seen.append(len(leases))
+        return room_for(ids, leases, holders, max_blocks)
+
+    monkeypatch.setattr(lease_module, "room_for", counting)
+    t = LeaseTable(TTL_S, Clock(), lambda lease, ids: None, tombstone_s=TOMB_S, max_blocks=4)
+    for i in range(500):
+        t.grant(f"done{i}", [i % 4])
+        t.complete(f"done{i}", token=b"t")
+    t.grant("a", [10, 11])
+    t.grant("b", [12, 13])
+    t.grant("c", [14])  # over the bound: the oldest held lease nobody pinned makes room
+    assert seen[-1] == 2  # (the scan: 502)
+    assert t.state("a") is LeaseState.EXPIRED and t.num_held == 2 and [x.lease_id for x in t.held()] == ["b", "c"]
 
 
 def test_early_releases_are_forgotten_oldest_first_without_walking_the_rest() -> None:
@@ -121,3 +146,4 @@ def test_expiry_by_due_times_ends_frees_and_forgets_what_a_scan_of_every_lease_w
         assert sorted(heap_freed) == sorted(scan_freed), step
         assert [heap.state(x) for x in IDS] == [scan.state(x) for x in IDS], step
         assert heap.num_blocks_held == scan.num_blocks_held
+        assert heap.num_held == sum(heap.state(x) is LeaseState.HELD for x in IDS) == len(heap.held())

@@ -67,6 +67,7 @@ class LeaseTable:
         self._on_free = on_free
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
+        self._held: dict[str, Lease] = {}  # the held ones, oldest first (`_leases` also keeps the ended a while)
         self._holders: dict[int, int] = {}  # block id -> how many leases (held, or ended and pinned) hold it
         self._expire_read = expire_read or (lambda: False)  # fault injection (faults.py): this read fails
         self.grace_s = grace_s
@@ -85,8 +86,8 @@ class LeaseTable:
 
     @property
     def num_held(self) -> int:
-        with self._lock:  # (counted as they change: the loop thread asks at every wait, tombstones are many)
-            return self.counts[LeaseState.HELD]
+        with self._lock:  # (the loop thread asks at every wait: never a walk over the tombstones)
+            return len(self._held)
 
     @property
     def num_blocks_held(self) -> int:
@@ -149,11 +150,7 @@ class LeaseTable:
     def held(self) -> list[Lease]:
         """Snapshot of the leases still held."""
         with self._lock:
-            return [
-                Lease(**{**vars(x), "pins": dict(x.pins), "tokens": dict(x.tokens)})
-                for x in self._leases.values()
-                if x.state is LeaseState.HELD
-            ]
+            return [Lease(**{**vars(x), "pins": dict(x.pins), "tokens": dict(x.tokens)}) for x in self._held.values()]
 
     # --- transitions -------------------------------------------------------------------------------
 
@@ -186,7 +183,7 @@ class LeaseTable:
             if groups and (sum(groups) != len(ids) or min(groups) < 0):
                 raise LeaseError(f"lease {label or lease_id[:8]}: group sizes {list(groups)} do not split its blocks")
             now = self._clock()
-            making_room = room_for(ids, self._leases.values(), self._holders, self.max_blocks)
+            making_room = room_for(ids, self._held.values(), self._holders, self.max_blocks)
             lease = Lease(
                 lease_id,
                 ids,
@@ -197,7 +194,7 @@ class LeaseTable:
                 prompt=prompt,
                 groups=groups,
             )
-            self._leases[lease_id] = lease
+            self._leases[lease_id] = self._held[lease_id] = lease
             self._schedule(lease)
             for b in ids:
                 self._holders[b] = self._holders.get(b, 0) + 1
@@ -363,6 +360,7 @@ class LeaseTable:
                 return lease.state
             lease.state = how
             lease.ended_s = self._clock()
+            del self._held[lease_id]
             self.counts[how] += 1
             self.counts[LeaseState.HELD] -= 1
             self._schedule(lease)
