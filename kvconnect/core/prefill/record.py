@@ -97,9 +97,6 @@ class DueTimes:
     def __init__(self) -> None:
         self._heap: list[tuple[float, str]] = []
 
-    def __len__(self) -> int:
-        return len(self._heap)
-
     def push(self, lease: Lease, tombstone_s: float, now_s: float) -> None:
         heapq.heappush(self._heap, (next_due(lease, tombstone_s, now_s), lease.lease_id))
 
