@@ -273,7 +273,7 @@ def test_a_lease_bound_to_its_prompt_answers_only_readers_of_that_prompt() -> No
     t.grant("unbound", [3])
     assert t.prompt_problem("bound", p_digest) == ""
     assert t.prompt_problem("bound", q_digest) == "prompt: the lease holds the KV of another prompt"
-    assert "none was named" in t.prompt_problem("bound", b"")
+    assert "none named" in t.prompt_problem("bound", b"")
     assert t.prompt_problem("unbound", q_digest) == "" and t.prompt_problem("nobody", q_digest) == ""
     assert t.state("bound") is LeaseState.HELD and freed == []  # a refusal changes nothing
 

@@ -66,6 +66,9 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
     pull_timeout_s: float = 30.0  # deadline of one READ, posting to completion
     confirm_reads: bool = True  # ask the prefill side whether the lease held during the read
     pin_reads: bool = True  # pin the lease as the READ is posted, so its end needs no round trip (lease.py)
+    # a prefill shows its held leases in shared memory, and a decode on its host that has read a lease's blocks
+    # checks there instead of waiting for its PIN's answer (board.py); off: same-host decodes wait for answers
+    lease_board: bool = True
     # check every pulled block's content end to end (digest.py): a prefill sums each leased block's words at
     # grant and answers with their digest; a decode sums what it wrote and fails the pull on a mismatch.
     # Both sides need it on. Costs one read of the request's bytes on each side

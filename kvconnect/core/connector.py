@@ -23,6 +23,7 @@ import zmq
 
 from kvconnect.core.affinity import io_cpus, threads_started_on
 from kvconnect.core.agent import AgentOptions, MemKind, NixlAgent
+from kvconnect.core.board import BoardWriter
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig
 from kvconnect.core.decode.peers import PeerSet
@@ -85,6 +86,7 @@ class KVConnector:
         self._on_pull_done = on_pull_done
         self.faults = faults  # None unless fault injection was asked for (faults.py)
         expire_read = faults.take_read_expiry if faults is not None else None
+        self._board = BoardWriter.create(self.incarnation_id) if config.lease_board else None
         self._leases = LeaseTable(
             config.lease_ttl_s,
             clock,
@@ -92,6 +94,7 @@ class KVConnector:
             grace_s=config.lease_grace_s,
             expire_read=expire_read,
             max_blocks=max(1, int(config.lease_cache_share * self.spec.num_blocks)),
+            on_state=self._on_lease_state,
         )
         if faults is not None:
             faults.bind(self._leases.force_expire)
@@ -106,8 +109,9 @@ class KVConnector:
             )
             self._agent.register(regions, MemKind.for_device(self.spec.device))
             self._paths = FastPaths.start(cache, config.transport, fast_paths)  # (this thread: see the docstring)
+            board = self._board.name if self._board is not None else ""
             self._peer_info = peer_info(
-                self.engine_id, self.incarnation_id, self._agent, cache, config, self._paths.offers
+                self.engine_id, self.incarnation_id, self._agent, cache, config, self._paths.offers, board
             )
             self._prefill = PrefillSide(self._leases, self._agent, self._counters, self.incarnation_id)
             self._ctx = zmq.Context()
@@ -210,6 +214,14 @@ class KVConnector:
         except Exception:
             log.exception("lease %s: the freed-blocks callback failed for %d blocks", lease.request_id, len(block_ids))
 
+    def _on_lease_state(self, lease: Lease) -> None:  # (under the lease table's lock)
+        if self._board is None:
+            return
+        if lease.state is p.LeaseState.HELD:
+            self._board.held(lease.lease_id, lease.prompt, lease.block_ids, lease.groups)
+        else:
+            self._board.ended(lease.lease_id)
+
     def _handle(self, msg: p.Request) -> p.Reply:
         """Side-channel requests, on the loop thread."""
         return self._peer_info if isinstance(msg, p.Hello) else self._prefill.answer(msg)
@@ -224,14 +236,17 @@ class KVConnector:
         prompt_digest: bytes = b"",
         driven: bool = False,
         requested_s: float | None = None,
+        leased: GroupedBlocks | None = None,
     ) -> PullHandle:
         """Start pulling `params.remote_block_ids` into `local_block_ids`; never blocks on the peer.
         InvalidRequestError (naming the field) when the params or ids are invalid: nothing is started.
         `prompt_digest`: the digest of the prompt this decode serves; a lease bound to another prompt
         refuses the read (LeaseLostError) and nothing of it is used. `driven`: the caller calls `drive()` right
         after, which then starts the pull on its thread (the loop thread is not woken for it). `requested_s`: when
-        the caller was asked for the pull (`time.monotonic()`, default now): the pull's stats count from there."""
-        handle, start = self._decode.prepare(params, local_block_ids, request_id, prompt_digest, requested_s)
+        the caller was asked for the pull (`time.monotonic()`, default now): the pull's stats count from there.
+        `leased`: all the lease's blocks, when the params were cut to their tail (the caller's own prefix-cache hit);
+        a same-host decode checks the lease board against them (board.py)."""
+        handle, start = self._decode.prepare(params, local_block_ids, request_id, prompt_digest, requested_s, leased)
         self._loop.call(start, driver=driven)
         return handle
 
@@ -312,6 +327,8 @@ class KVConnector:
             self._server.close()
             self._agent.close()
             self._ctx.term()
+            if self._board is not None:
+                self._board.close()
         self._loop.close()
 
     def __enter__(self) -> KVConnector:

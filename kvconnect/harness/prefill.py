@@ -203,8 +203,10 @@ class _Server:
                 return "failed", type(e).__name__, str(e)
             return "ok", msgspec.to_builtins(stats)
         if cmd == "hold_pins":  # answer no PIN until "answer_pins" (tests of a decode waiting for the answer)
-            self.pins_go = threading.Event()
+            self.pins_go = threading.Event()  # ("and_notifs": nor complete a lease by a READ's notification)
             answer = conn._prefill.answer
+            if args and args[0] == "and_notifs":
+                conn._agent.notifs = self._notifs_held(conn._agent.notifs, self.pins_go)
 
             def held(msg: Any) -> Any:  # (the tick waits here, still draining NIXL: a READ over UCX needs this side)
                 while getattr(msg, "action", None) is LeaseAction.PIN and not self.pins_go.wait(0.001):
@@ -222,6 +224,23 @@ class _Server:
                     t[args[0]].view(torch.uint8).fill_(0xAB)
             return "ok"
         raise KVConnectError(f"unknown command {cmd!r}")
+
+    @staticmethod
+    def _notifs_held(notifs: Any, go: threading.Event) -> Any:
+        """`notifs` that takes NIXL's notifications in (a READ over UCX needs this side's progress) but hands
+        them on only once `go` is set."""
+        kept: dict[str, list[bytes]] = {}
+
+        def held() -> dict[str, list[bytes]]:
+            for name, messages in notifs().items():
+                kept.setdefault(name, []).extend(messages)
+            if not go.is_set():
+                return {}
+            out = dict(kept)
+            kept.clear()
+            return out
+
+        return held
 
     def close(self) -> None:
         if self.connector is not None:

@@ -32,7 +32,7 @@ STAGES = (
     "read_to_usable_s",
     "usable_to_reported_s",
 )
-COUNTS = ("failed", "leases_ended")  # {label: count}
+COUNTS = ("failed", "leases_ended", "usable_by")  # {label: count}
 
 
 _INDEX = re.compile(r"\[[^\]]*\]")
@@ -89,6 +89,7 @@ class KVConnectStats(KVConnectorStats):
             self.data[key].append(value)
         if stats.digest_s > 0:  # its blocks' content was checked against the prefill's (kv_digest)
             self.data["digest_s"].append(stats.digest_s)
+        self.count("usable_by", "lease_board" if stats.on_board else "lease_answer")
 
     def record_timeline(self, stages: dict[str, float]) -> None:
         for key, value in stages.items():
@@ -125,6 +126,8 @@ class KVConnectStats(KVConnectorStats):
         out["Num failed pulls"] = sum(self.data["failed"].values())
         for state, count in sorted(self.data["leases_ended"].items()):
             out[f"Leases {state}"] = count
+        if self.data["usable_by"].get("lease_board"):
+            out["Pulls usable from the lease board"] = self.data["usable_by"]["lease_board"]
         return out
 
 
@@ -226,6 +229,12 @@ class KVConnectPromMetrics(KVConnectorPromMetrics):
             labelnames=[*labelnames, "outcome"],
             documentation="kvconnect: prefill leases ended by outcome",
         )
+        self.usable_by = counter(
+            name="vllm:kvconnect_pulls_usable_by",
+            labelnames=[*labelnames, "by"],
+            documentation="kvconnect: successful pulls by what made them usable: the same-host lease board, or "
+            "the prefill's lease answer (or the transfer alone, with confirm_reads off)",
+        )
         self._labels = per_engine_labelvalues
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -237,3 +246,5 @@ class KVConnectPromMetrics(KVConnectorPromMetrics):
             self.failed.labels(*labels, reason).inc(n)
         for outcome, n in transfer_stats_data.get("leases_ended", {}).items():
             self.leases.labels(*labels, outcome).inc(n)
+        for by, n in transfer_stats_data.get("usable_by", {}).items():
+            self.usable_by.labels(*labels, by).inc(n)

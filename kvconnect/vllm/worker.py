@@ -208,7 +208,13 @@ class WorkerSide:
                 remote_num_tokens=None,
             )
             load.handle = self._require().pull(
-                wanted, local.ids.tolist(), order.request_id, order.prompt_digest, driven=True, requested_s=requested_s
+                wanted,
+                local.ids.tolist(),
+                order.request_id,
+                order.prompt_digest,
+                driven=True,
+                requested_s=requested_s,
+                leased=remote,
             )  # (bind_connector_metadata drives right after)
         except KVConnectError as e:
             self._failed(load, e)
@@ -301,16 +307,20 @@ class WorkerSide:
             for name, key in (*marked, ("usable", "read_to_usable_s")):
                 t += stages[key]
                 marks.append(f"{name} {1e3 * t:.2f}")
-            parts = (stats.validate_s, stats.pin_s, stats.launch_s, stats.post_s, stats.pin_rtt_s)
+            parts = (stats.validate_s, stats.pin_s, stats.launch_s, stats.post_s)
+            held = (
+                "held on the lease board" if stats.on_board else f"the PIN's answer after {1e3 * stats.pin_rtt_s:.3f}"
+            )
             log.debug(
                 "kvconnect: request %s timeline, ms from %s: pull %.2f, %s, reported %.2f "
-                "(post: checks %.3f, pin %.3f, launch %.3f of %.3f; the PIN's answer after %.3f)",
+                "(post: checks %.3f, pin %.3f, launch %.3f of %.3f; %s)",
                 load.order.request_id,
                 "arrival" if arrival else "the pull",
                 1e3 * (load.requested_at - start),
                 ", ".join(marks),
                 1e3 * (now - start),
                 *(1e3 * x for x in parts),
+                held,
             )
 
     def _pull_done(self, stats: PullStats, error: KVConnectError | None) -> None:  # (loop thread)

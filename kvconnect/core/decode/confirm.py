@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from kvconnect.core.board import binding
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig
 from kvconnect.core.decode.peers import Peer
@@ -40,6 +41,7 @@ from kvconnect.core.errors import (
     PeerGoneError,
     TransferError,
 )
+from kvconnect.core.plan.groups import GroupedBlocks
 from kvconnect.core.plan.hetero import Path
 from kvconnect.core.wire import lease_client
 from kvconnect.core.wire import protocol as p
@@ -64,6 +66,18 @@ def refusal(pull: Pull, reply: p.LeaseReply) -> KVConnectError | None:
             f"{reply.reason.removeprefix(PROMPT_REFUSED).strip()}; data discarded"
         )
     return None
+
+
+def on_board(peer: Peer, pull: Pull) -> bool:
+    """Whether the peer's lease board (board.py) shows the lease this pull read held now, bound to this prompt and
+    these blocks (a tail of the lease's: `pull.leased`). Asked after the read has ended."""
+    if peer.board is None or pull.leased is None:
+        return False
+    named = GroupedBlocks(pull.remote_block_ids, pull.group_sizes or (pull.remote_block_ids.size,))
+    if not named.is_tail_of(pull.leased):
+        return False
+    expected = binding(pull.lease_id, pull.prompt_digest, pull.leased.ids, pull.leased.sizes)
+    return peer.board.holds(pull.lease_id, expected)
 
 
 def lease_problem(reply: p.LeaseReply) -> str:
@@ -132,7 +146,10 @@ class LeaseConfirmation:
             self._succeed_checked(peer, pull)  # (the transfer's own notification ends the lease)
             return
         pull.phase = PullPhase.CONFIRMING
-        if pull.pin is not PinState.SENT:
+        if pull.pin is PinState.SENT and peer is not None and on_board(peer, pull):
+            pull.handle.stats.on_board = True  # (the PIN's answer, when it comes, finds the pull done)
+            self._usable(peer, pull)
+        elif pull.pin is not PinState.SENT:
             self._decide(peer, pull)
 
     def answer_or_fail(self, peer: Peer, pull: Pull, reply: p.LeaseReply | HandshakeError) -> None:
@@ -270,16 +287,20 @@ class LeaseConfirmation:
             )
             return
         if pull.pin is PinState.HELD and time.monotonic() < pull.pin_until_s:
-            pull.handle.stats.confirm_s = time.monotonic() - pull.read_done_s
-            try:
-                self._succeed_checked(peer, pull)  # usable now: the pin held the blocks through the read
-            finally:  # (whatever the success's callbacks do; a digest that did not match failed it, dropped the pin)
-                if pull.phase is PullPhase.DONE:
-                    peer.channel.send(self._confirmation(pull))  # ends our pin and, for the last reader, the lease
-            return  # (its answer is not needed)
+            self._usable(peer, pull)  # the pin held the blocks through the read
+            return
         confirm = self._confirmation(pull)
         peer.confirming[p.ref_of(confirm)] = pull
         peer.channel.send(confirm)
+
+    def _usable(self, peer: Peer, pull: Pull) -> None:
+        """The lease held through the read (a pin, or the board): usable now, then the CONFIRM (not awaited)."""
+        pull.handle.stats.confirm_s = time.monotonic() - pull.read_done_s
+        try:
+            self._succeed_checked(peer, pull)
+        finally:  # (whatever the success's callbacks do; a digest that did not match failed it, dropped the pin)
+            if pull.phase is PullPhase.DONE:
+                peer.channel.send(self._confirmation(pull))  # ends our pin and, for the last reader, the lease
 
     def _confirmation(self, pull: Pull) -> p.LeaseRequest:
         assert pull.source is not None

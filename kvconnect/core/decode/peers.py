@@ -18,6 +18,7 @@ import numpy as np
 import zmq
 
 from kvconnect.core.agent import MemKind, NixlAgent, PreppedList
+from kvconnect.core.board import BoardReader
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig
 from kvconnect.core.decode.pull import PullPhase
@@ -57,6 +58,7 @@ class Peer:
     transport: Transport | None = None
     waiting: list[Pull] = field(default_factory=list)  # pulls waiting for the handshake
     confirming: dict[str, Pull] = field(default_factory=dict)  # by message ref: a PIN or CONFIRM answer due
+    board: BoardReader | None = None  # its lease board, when it is on this host (board.py)
 
     @property
     def ready(self) -> bool:
@@ -159,6 +161,9 @@ class PeerSet:
         if peer.transport is not None:
             peer.transport.close()
             peer.transport = None
+        if peer.board is not None:
+            peer.board.close()
+            peer.board = None
         peer.channel.close()
 
     def stale(self, peer: Peer, pull: Pull) -> str:
@@ -212,6 +217,8 @@ class PeerSet:
             MemKind.for_device(info.spec.device),
         )
         local_list = self._local_list(plan)
+        if config.lease_board and not config.kv_digest:  # (the digest comes only with the PIN's answer)
+            peer.board = BoardReader.open(info.lease_board, info.incarnation_id)
         peer.transport = self._fast_paths.open(info, plan, self._cache, peer.key)
         if peer.transport is None:
             peer.transport = NixlRead(self._agent, plan.pair, local_list, remote_list)

@@ -22,6 +22,7 @@ import numpy as np
 
 from kvconnect.core.agent import XferState
 from kvconnect.core.errors import KVConnectError, PeerGoneError, TransferTimeoutError
+from kvconnect.core.plan.groups import GroupedBlocks
 from kvconnect.core.plan.hetero import Source
 from kvconnect.core.plan.layout import CacheSpec
 from kvconnect.core.plan.params import KVTransferParams, validated_pull
@@ -75,6 +76,7 @@ class PullStats(msgspec.Struct):
     scatter_s: float = 0.0  # staging path: staging -> decode cache on the device
     digest_s: float = 0.0  # kv_digest: summing the pulled blocks on this side (0: not checked)
     after_read_s: float = 0.0  # the transfer ended -> usable: the lease's answer, the digest (0: no transfer ended)
+    on_board: bool = False  # usable once the prefill's lease board showed the lease held, before the PIN's answer
     num_descs_issued: int = 0  # descriptors NIXL reported issuing (0 unless the `telemetry` setting is on)
 
     @property
@@ -175,6 +177,7 @@ class Pull:
     prompt_digest: bytes = b""  # the prompt this decode serves (`params.prompt_digest`): a bound lease checks it
     pin_sent_s: float = 0.0  # when the PIN left: the prefill's pin lasts at least its granted length from then
     group_sizes: tuple[int, ...] = ()  # blocks per KV cache group of a hybrid model (plan/groups.py); (n,): one
+    leased: GroupedBlocks | None = None  # all the lease's blocks, these being their tail (the lease board's binding)
 
     def notif(self, incarnation_id: str) -> bytes:
         """The notification this pull's READ carries to the prefill (it completes the lease for this reader)."""
@@ -218,9 +221,11 @@ class Pull:
         timeout_s: float,
         prompt_digest: bytes = b"",
         requested_s: float | None = None,
+        leased: GroupedBlocks | None = None,
     ) -> Pull:
         """Validate a pull request (any thread); InvalidRequestError names the field, nothing is posted.
-        `requested_s`: when the caller asked for it (monotonic; default now), where its timeline starts."""
+        `requested_s`: when the caller asked for it (monotonic; default now), where its timeline starts. `leased`:
+        the lease's blocks when the params name only their tail (default: the params name them all)."""
         target = validated_pull(params, local_block_ids, spec.num_blocks, spec.model_kv_heads)
         now = time.monotonic() if requested_s is None else requested_s
         return cls(
@@ -239,6 +244,7 @@ class Pull:
             num_tokens=target.num_tokens,
             prompt_digest=prompt_digest,
             group_sizes=target.group_sizes,
+            leased=leased or GroupedBlocks(target.remote_block_ids, target.group_sizes),
         )
 
     def parts_for(self, reads: Sequence[Source]) -> list[Pull]:

@@ -7,8 +7,8 @@ CONFIRMING -> DONE, or FAILED from any of them (`pull.PullPhase`):
   stale peer and handshakes again;
 - POSTED: the peer's transport (`transports/`) moves the blocks; with `pin_reads` the lease is pinned just before
   the transfer is posted, so a transfer that ends under a held pin needs no round trip;
-- CONFIRMING: without a held pin the prefill side is asked whether its lease held until the read ended; only its
-  COMPLETED makes the pull DONE (fail closed).
+- CONFIRMING: a held pin, or the prefill's lease board showing the lease held (same host: `board.py`), makes the
+  pull DONE; else the prefill side is asked whether its lease held until the read ended (fail closed).
 
 Every pull ends by its deadline whatever its peer is doing (`_sweep_deadlines`); params that disagree with a known
 peer are checked before it is replaced (`claims.py`). A request read from several prefill ranks (heterogeneous TP)
@@ -41,6 +41,7 @@ from kvconnect.core.errors import (
     TransferError,
     TransferTimeoutError,
 )
+from kvconnect.core.plan.groups import GroupedBlocks
 from kvconnect.core.plan.params import KVTransferParams
 from kvconnect.core.snapshot import Counters
 from kvconnect.core.wire import protocol as p
@@ -63,12 +64,8 @@ class DecodeSide:
         counters: Counters,
         on_done: DoneCallback,
     ) -> None:
-        self.peers = peers
-        self._cache = cache
-        self._config = config
-        self._engine_id = engine_id
-        self._counters = counters
-        self._on_done = on_done
+        self.peers, self._cache, self._config = peers, cache, config
+        self._engine_id, self._counters, self._on_done = engine_id, counters, on_done
         self._staging_wait: list[Pull] = []  # staging pulls waiting for free staging blocks
         self._posted: list[Pull] = []
         self.abandoned = AbandonedReads()  # given-up transfers that may still land
@@ -87,10 +84,13 @@ class DecodeSide:
         request_id: str | None,
         prompt_digest: bytes = b"",
         requested_s: float | None = None,
+        leased: GroupedBlocks | None = None,
     ) -> tuple[PullHandle, Callable[[], None]]:
         """Validate a pull; returns its handle and the function that starts it at the next tick."""
         spec, timeout_s = self._cache.spec, self._config.pull_timeout_s
-        pull = Pull.from_params(params, local_block_ids, request_id, spec, timeout_s, prompt_digest, requested_s)
+        pull = Pull.from_params(
+            params, local_block_ids, request_id, spec, timeout_s, prompt_digest, requested_s, leased
+        )
         self._allowed.check(pull.remote_host, "kv_transfer_params.remote_host")
         sources = self.peers.sources(pull.remote_tp)
         parts = pull.parts_for(sources.reads)

@@ -57,14 +57,16 @@ class LeaseTable:
         grace_s: float = 0.0,
         expire_read: Callable[[], bool] | None = None,
         max_blocks: int | None = None,
+        on_state: Callable[[Lease], None] = lambda lease: None,
     ) -> None:
-        """`max_blocks`: the most blocks leases may hold at once (module docstring, "Bounded")."""
+        """`max_blocks`: the most blocks leases may hold at once (module docstring, "Bounded"). `on_state(lease)`: a
+        grant, and an end before any block goes back (the same-host lease board, board.py), under the table's lock."""
         if ttl_s <= 0:
             raise LeaseError(f"lease ttl must be positive, got {ttl_s}")
         self.ttl_s = ttl_s
         self.tombstone_s = tombstone_s if tombstone_s is not None else max(60.0, 2 * ttl_s)
         self._clock = clock
-        self._on_free = on_free
+        self._on_free, self._on_state = on_free, on_state
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         self._held: dict[str, Lease] = {}  # the held ones, oldest first (`_leases` also keeps the ended a while)
@@ -127,11 +129,8 @@ class LeaseTable:
             bound = lease.prompt if lease is not None else b""
         if not bound or hmac.compare_digest(bound, prompt):
             return ""
-        return PROMPT_REFUSED + (
-            " the lease holds the KV of another prompt"
-            if prompt
-            else " the lease is bound to its prompt; none was named"
-        )
+        why = " the lease holds the KV of another prompt" if prompt else " the lease is bound to a prompt; none named"
+        return PROMPT_REFUSED + why
 
     def digest_matches(self, lease_id: str, num_blocks: int, digest: bytes, group_sizes: Sequence[int] = ()) -> bool:
         """Whether a notification's (count, digest) names a suffix of the lease's blocks (of each group's, with
@@ -196,6 +195,7 @@ class LeaseTable:
             )
             self._leases[lease_id] = self._held[lease_id] = lease
             self._schedule(lease)
+            self._on_state(lease)
             for b in ids:
                 self._holders[b] = self._holders.get(b, 0) + 1
             self.counts[LeaseState.HELD] += 1
@@ -358,8 +358,8 @@ class LeaseTable:
                 return LeaseState.UNKNOWN
             if lease.state is not LeaseState.HELD:
                 return lease.state
-            lease.state = how
-            lease.ended_s = self._clock()
+            lease.state, lease.ended_s = how, self._clock()
+            self._on_state(lease)
             del self._held[lease_id]
             self.counts[how] += 1
             self.counts[LeaseState.HELD] -= 1

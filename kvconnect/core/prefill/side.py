@@ -33,9 +33,10 @@ def peer_info(
     cache: KVCache,
     config: ConnectorConfig,
     offers: dict[str, bytes],
+    board: str = "",
 ) -> p.PeerInfo:
-    """The handshake answer: the agent, the cache's spec and regions, and what each fast path offers
-    (`transports/registry.py`)."""
+    """The handshake answer: the agent, the cache's spec and regions, what each fast path offers
+    (`transports/registry.py`), and the name of the lease board (`board.py`; "": none)."""
     return p.PeerInfo(
         protocol_version=p.PROTOCOL_VERSION,
         engine_id=engine_id,
@@ -47,6 +48,7 @@ def peer_info(
         device_id=cache.device_id,
         lease_grace_ms=round(config.lease_grace_s * 1000),
         offers=dict(offers),
+        lease_board=board,
     )
 
 

@@ -108,6 +108,7 @@ class PeerInfo(msgspec.Struct, tag="peer_info"):
     # transport kind -> what a peer needs to open that path to this worker, in the transport's own encoding
     # (transports/: e.g. "ipc": where a same-host GPU peer maps the regions from). NIXL needs none.
     offers: dict[str, bytes] = {}
+    lease_board: str = ""  # the name of its lease board in the host's shared memory ("": none; board.py)
 
 
 class LeaseReply(msgspec.Struct, tag="lease_reply"):

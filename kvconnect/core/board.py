@@ -1,0 +1,188 @@
+"""The lease board: a prefill's held leases, readable by the decodes on its host without a round trip.
+
+A pinned pull is usable once the prefill has answered its PIN (HELD). Over a same-host path (the CUDA IPC
+gather) the read itself takes less time than that answer's trip through two busy engine processes, so the
+answer, not the bytes, used to decide when the pull was usable. The board lets such a decode decide alone,
+after its read has ended:
+
+- The prefill keeps a small file in shared memory (`BOARD_DIR`, mode 0600, a random name it gives in its
+  handshake). A lease's slot is a hash of its lease id; the slot holds a binding (a hash of the lease id, the
+  prompt digest the lease is bound to, its block ids and group sizes) and a state word (a generation, odd while
+  the lease is held). The state word changes to "not held" when the lease ends, before any of its blocks can
+  go back to the engine; a new lease in the slot first changes it to a new even generation, then the binding.
+- A decode that has read a lease's blocks reads the state word, the binding, and the state word again. The
+  same odd word twice around a binding equal to the one it computes from its own params and prompt means: the
+  lease this decode was granted for this prompt and these blocks had not ended when the read was over, so no
+  block of it had been handed back and written; the read is good. Anything else (another lease in the slot, an
+  ended lease, a binding that differs, no board) and it waits for the PIN's answer, as without a board.
+- The PIN, and the CONFIRM that ends the lease, are still sent; only the wait for the PIN's answer goes. So a
+  replay of the same params and the same prompt while the lease is held may read too (it reads that prompt's
+  KV, nothing else); after the lease ended it is refused as before.
+
+A decode opens a board only under `BOARD_DIR`, by a name of the expected form, of the expected size, whose
+header names the incarnation that answered the handshake: a prefill on another host (or container) has no
+such file here, and the decode uses answers. A board whose owner died is removed by the next one created
+(the owner holds an exclusive `flock` on it while it lives).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import itertools
+import logging
+import mmap
+import os
+import re
+import secrets
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+BOARD_DIR = "/dev/shm"
+NAME = re.compile(r"kvconnect-board-[0-9a-f]{32}\Z")
+MAGIC, VERSION = b"KVCBOARD", 1
+SLOTS, SLOT_BYTES, HEADER_BYTES = 16384, 32, 64  # 512 KiB: a slot per lease id hash (a taken slot: no board)
+BINDING_BYTES = 24
+_HEADER = struct.Struct("<8sII32s")  # magic, version, slots, incarnation id (ASCII)
+_WORD = struct.Struct("<Q")
+SIZE = HEADER_BYTES + SLOTS * SLOT_BYTES
+
+
+def slot_of(lease_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(lease_id.encode(), digest_size=8).digest(), "little") % SLOTS
+
+
+def binding(lease_id: str, prompt: bytes, block_ids: Sequence[int] | np.ndarray, group_sizes: Sequence[int]) -> bytes:
+    """What a slot binds a lease to: its id, its prompt digest, its block ids and (hybrid models) group sizes."""
+    h = hashlib.blake2b(digest_size=BINDING_BYTES)
+    groups = [int(n) for n in group_sizes] if len(group_sizes) > 1 else []  # (one group: the same as none)
+    for part in (lease_id.encode(), prompt, np.asarray(groups, dtype="<i8").tobytes()):
+        h.update(len(part).to_bytes(4, "little"))
+        h.update(part)
+    h.update(np.asarray(block_ids, dtype="<i8").tobytes())
+    return h.digest()
+
+
+class BoardWriter:
+    """The prefill's board (one per connector): `update` after every lease state change, under the lease table's
+    lock (`LeaseTable(on_state=...)`)."""
+
+    def __init__(self, fd: int, path: str, incarnation_id: str) -> None:
+        self._fd, self.path = fd, path
+        self.name = os.path.basename(path)
+        self._mm = mmap.mmap(fd, SIZE)
+        self._mm[:HEADER_BYTES] = _HEADER.pack(MAGIC, VERSION, SLOTS, incarnation_id.encode()).ljust(
+            HEADER_BYTES, b"\0"
+        )
+        self._owner: dict[int, str] = {}  # slot -> the held lease written there
+        self._gens = itertools.count(1)
+
+    @classmethod
+    def create(cls, incarnation_id: str, directory: str = BOARD_DIR) -> BoardWriter | None:
+        """A new board (None where shared memory is not there to hold one: decodes then use answers)."""
+        if not os.path.isdir(directory):
+            return None
+        remove_orphans(directory)
+        path = os.path.join(directory, f"kvconnect-board-{secrets.token_hex(16)}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            log.info("no lease board (%s): same-host decodes wait for PIN answers", e)
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (held for life: how a later board sees it is live)
+            os.ftruncate(fd, SIZE)
+            return cls(fd, path, incarnation_id)
+        except OSError as e:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            log.info("no lease board (%s): same-host decodes wait for PIN answers", e)
+            return None
+
+    def held(self, lease_id: str, prompt: bytes, block_ids: Sequence[int], group_sizes: Sequence[int]) -> None:
+        slot = slot_of(lease_id)
+        if self._owner.get(slot, lease_id) != lease_id:
+            return  # another held lease has the slot: this one is read with answers
+        off, gen = HEADER_BYTES + slot * SLOT_BYTES, next(self._gens)
+        self._mm[off : off + 8] = _WORD.pack(gen << 1)  # a new generation, not held, before the binding changes
+        self._mm[off + 8 : off + 8 + BINDING_BYTES] = binding(lease_id, prompt, block_ids, group_sizes)
+        self._mm[off : off + 8] = _WORD.pack(gen << 1 | 1)
+        self._owner[slot] = lease_id
+
+    def ended(self, lease_id: str) -> None:
+        slot = slot_of(lease_id)
+        if self._owner.get(slot) != lease_id:
+            return
+        off = HEADER_BYTES + slot * SLOT_BYTES
+        (word,) = _WORD.unpack_from(self._mm, off)
+        self._mm[off : off + 8] = _WORD.pack(word & ~1)
+        del self._owner[slot]
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        self._mm.close()
+        os.close(self._fd)
+
+
+class BoardReader:
+    """A decode's view of one prefill's board."""
+
+    def __init__(self, mm: mmap.mmap) -> None:
+        self._mm = mm
+
+    @classmethod
+    def open(cls, name: str, incarnation_id: str, directory: str = BOARD_DIR) -> BoardReader | None:
+        """The board a handshake named, if it is here and is that incarnation's (else None: use answers)."""
+        if not name or not NAME.match(name):
+            return None
+        try:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None  # (another host's, or another container's shared memory)
+        try:
+            if os.fstat(fd).st_size != SIZE:
+                return None
+            mm = mmap.mmap(fd, SIZE, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            return None
+        finally:
+            os.close(fd)
+        magic, version, slots, incarnation = _HEADER.unpack_from(mm, 0)
+        if (magic, version, slots) != (MAGIC, VERSION, SLOTS) or incarnation.rstrip(b"\0") != incarnation_id.encode():
+            mm.close()
+            return None
+        return cls(mm)
+
+    def holds(self, lease_id: str, expected: bytes) -> bool:
+        """Whether the lease is held now, bound to `expected` (`binding`): the state word, the binding, the word."""
+        off = HEADER_BYTES + slot_of(lease_id) * SLOT_BYTES
+        (first,) = _WORD.unpack_from(self._mm, off)
+        bound = self._mm[off + 8 : off + 8 + BINDING_BYTES]
+        (again,) = _WORD.unpack_from(self._mm, off)
+        return bool(first & 1) and first == again and bound == expected
+
+    def close(self) -> None:
+        self._mm.close()
+
+
+def remove_orphans(directory: str) -> None:
+    """Remove this user's boards whose owner is gone (nobody holds their lock)."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            if not NAME.match(name):
+                continue
+            path = os.path.join(directory, name)
+            with contextlib.suppress(OSError):
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+                try:
+                    if os.fstat(fd).st_uid == os.geteuid():
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (raises while its owner lives)
+                        os.unlink(path)
+                finally:
+                    os.close(fd)
