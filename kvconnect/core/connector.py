@@ -231,7 +231,7 @@ class KVConnector:
     def pull(
         self,
         params: KVTransferParams,
-        local_block_ids: Sequence[int],
+        local_block_ids: Sequence[int] | np.ndarray,
         request_id: str | None = None,
         prompt_digest: bytes = b"",
         driven: bool = False,

@@ -209,7 +209,7 @@ class WorkerSide:
             )
             load.handle = self._require().pull(
                 wanted,
-                local.ids.tolist(),
+                local.ids,  # (an array: the connector checks it as one)
                 order.request_id,
                 order.prompt_digest,
                 driven=True,

@@ -31,6 +31,7 @@ from kvconnect.core.wire.logs import loggable
 from kvconnect.core.wire.protocol import encode_notif
 
 log = logging.getLogger(__name__)
+BlockIds = Sequence[int] | np.ndarray  # block ids as a caller gives them (checked into an int64 array)
 
 
 class PullPhase(str, enum.Enum):
@@ -93,8 +94,7 @@ class PullHandle:
         self.stats = PullStats(request_id, remote_engine_id)
         self._event = threading.Event()
         self._error: KVConnectError | None = None
-        self._settled = threading.Event()
-        self._settled.set()
+        self._unsettled = False  # an abandoned READ may still land (`AbandonedReads`); polled, never waited on
         self._cancel = False
         self.parts: list[PullHandle] = []  # one per source rank when several are read
 
@@ -133,7 +133,7 @@ class PullHandle:
     def settled(self) -> bool:
         """False while an abandoned READ may still write into the local blocks: a failed pull's blocks
         may be reused (freed, recomputed into) only once this is True. See `AbandonedReads`."""
-        return self._settled.is_set() and all(part.settled() for part in self.parts)
+        return not self._unsettled and all(part.settled() for part in self.parts)
 
     def _finish(self, error: KVConnectError | None) -> None:
         self._error = error
@@ -215,7 +215,7 @@ class Pull:
     def from_params(
         cls,
         params: KVTransferParams,
-        local_block_ids: Sequence[int],
+        local_block_ids: BlockIds,
         request_id: str | None,
         spec: CacheSpec,
         timeout_s: float,
@@ -325,7 +325,7 @@ class AbandonedReads:
     def add(self, pull: Pull, agent_name: str) -> None:
         if pull.posted is None:
             return
-        pull.handle._settled.clear()
+        pull.handle._unsettled = True
         self._pulls.append((pull, agent_name))
 
     def __len__(self) -> int:
@@ -377,5 +377,5 @@ def release_posted(pull: Pull) -> None:
 
 def _settle(pull: Pull) -> None:
     release_posted(pull)
-    pull.handle._settled.set()
+    pull.handle._unsettled = False
     pull.run_on_settled()

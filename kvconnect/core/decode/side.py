@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from kvconnect.core.agent import XferState
 from kvconnect.core.allowlist import parse_allowlist
@@ -28,7 +28,7 @@ from kvconnect.core.config import ConnectorConfig
 from kvconnect.core.decode.claims import Claims
 from kvconnect.core.decode.confirm import LeaseConfirmation
 from kvconnect.core.decode.peers import Peer, PeerSet
-from kvconnect.core.decode.pull import AbandonedReads, PinState, Pull, PullHandle, PullPhase, release_posted
+from kvconnect.core.decode.pull import AbandonedReads, BlockIds, PinState, Pull, PullHandle, PullPhase, release_posted
 from kvconnect.core.decode.releases import Releases
 from kvconnect.core.decode.staging import place
 from kvconnect.core.errors import (
@@ -80,7 +80,7 @@ class DecodeSide:
     def prepare(
         self,
         params: KVTransferParams,
-        local_block_ids: Sequence[int],
+        local_block_ids: BlockIds,
         request_id: str | None,
         prompt_digest: bytes = b"",
         requested_s: float | None = None,
@@ -330,11 +330,10 @@ class DecodeSide:
         """Give up a transfer at its deadline or cancellation (failing the pull quarantines its blocks)."""
         self.release.for_pull(pull)
         rid, waited_s = pull.handle.request_id, now - pull.requested_s
-        if pull.handle.cancel_requested:
-            self._fail(pull, TransferError(f"pull {rid} cancelled"))
-        else:
-            why = f"pull {rid} from {pull.remote_engine_id} not complete after {waited_s:.3g}s; abandoned"
-            self._fail(pull, TransferTimeoutError(why))
+        why = f"pull {rid} from {pull.remote_engine_id} not complete after {waited_s:.3g}s; abandoned"
+        self._fail(
+            pull, TransferError(f"pull {rid} cancelled") if pull.handle.cancel_requested else TransferTimeoutError(why)
+        )
 
     def _succeed(self, pull: Pull) -> None:
         self._counters.bytes_pulled += pull.handle.stats.bytes

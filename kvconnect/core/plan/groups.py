@@ -30,6 +30,9 @@ class GroupedBlocks:
 
     @classmethod
     def of(cls, groups: Sequence[Sequence[int] | np.ndarray]) -> GroupedBlocks:
+        if len(groups) == 1:  # (the common case, on a pull's path: no concatenation)
+            only = np.asarray(groups[0], dtype=np.int64).reshape(-1)
+            return cls(only, (int(only.size),))
         arrays = [np.asarray(g, dtype=np.int64).reshape(-1) for g in groups]  # (not element by element: 256 ids
         ids = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)  # took 35 us so, on a pull's path)
         return cls(ids, tuple(int(a.size) for a in arrays))
@@ -51,6 +54,8 @@ class GroupedBlocks:
         return len(self.sizes)
 
     def groups(self) -> list[np.ndarray]:
+        if len(self.sizes) == 1:
+            return [self.ids]
         cut = np.cumsum((0, *self.sizes))
         return [self.ids[cut[i] : cut[i + 1]] for i in range(len(self.sizes))]
 
