@@ -189,6 +189,8 @@ def test_a_lease_that_ended_before_the_read_was_checked_is_not_read_from_the_boa
         with prefill._loop.lock:
             handle = dec.pull(params, [5, 6])
             poll_until(lambda: wire.posted and any(peer.confirming for peer in dec._decode.peers.all()), what="posted")
+            posted = dec._decode._posted  # (the binding is worked out while the transfer runs, not after it)
+            poll_until(lambda: posted and posted[0].board_binding, what="the board's binding, the transfer held")
             scrub = lambda ids: [t[i].fill_(0) for layer in range(3) for t in prefill.cache.kv(layer) for i in ids]  # noqa: E731
             assert prefill._leases.force_expire(params.remote_lease_id, scrub).value == "expired"
             wire.land()

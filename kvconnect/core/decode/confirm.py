@@ -68,16 +68,24 @@ def refusal(pull: Pull, reply: p.LeaseReply) -> KVConnectError | None:
     return None
 
 
-def on_board(peer: Peer, pull: Pull) -> bool:
-    """Whether the peer's lease board (board.py) shows the lease this pull read held now, bound to this prompt and
-    these blocks (a tail of the lease's: `pull.leased`). Asked after the read has ended."""
-    if peer.board is None or pull.leased is None:
-        return False
+def board_binding(pull: Pull) -> bytes:
+    """The binding (board.py) the lease this pull reads must show on the board: its id, this decode's prompt, and the
+    lease's blocks, of which the pull's must be the tail (b"": they are not, so the board cannot decide)."""
+    if pull.leased is None:
+        return b""
     named = GroupedBlocks(pull.remote_block_ids, pull.group_sizes or (pull.remote_block_ids.size,))
     if not named.is_tail_of(pull.leased):
+        return b""
+    return binding(pull.lease_id, pull.prompt_digest, pull.leased.ids, pull.leased.sizes)
+
+
+def on_board(peer: Peer, pull: Pull) -> bool:
+    """Whether the peer's lease board shows the lease this pull read held now, bound as `board_binding` says (worked
+    out while the transfer ran, by `LeaseConfirmation.posted`). Asked after the read has ended."""
+    if peer.board is None:
         return False
-    expected = binding(pull.lease_id, pull.prompt_digest, pull.leased.ids, pull.leased.sizes)
-    return peer.board.holds(pull.lease_id, expected)
+    expected = pull.board_binding if pull.board_binding is not None else board_binding(pull)
+    return bool(expected) and peer.board.holds(pull.lease_id, expected)
 
 
 def lease_problem(reply: p.LeaseReply) -> str:
@@ -139,6 +147,11 @@ class LeaseConfirmation:
         )
         peer.confirming[p.ref_of(msg)] = pull
         peer.channel.send(msg)
+
+    def posted(self, peer: Peer, pull: Pull) -> None:
+        """The transfer is in flight: work out what the board must show for it now, not after the read."""
+        if peer.board is not None and pull.pin is PinState.SENT:
+            pull.board_binding = board_binding(pull)
 
     def read_done(self, peer: Peer | None, pull: Pull) -> None:
         """The transfer ended well (and staged data was placed): decide now, or once the pin is answered."""

@@ -178,6 +178,7 @@ class Pull:
     pin_sent_s: float = 0.0  # when the PIN left: the prefill's pin lasts at least its granted length from then
     group_sizes: tuple[int, ...] = ()  # blocks per KV cache group of a hybrid model (plan/groups.py); (n,): one
     leased: GroupedBlocks | None = None  # all the lease's blocks, these being their tail (the lease board's binding)
+    board_binding: bytes | None = None  # what the board must show for its lease (confirm.py; None: not worked out)
 
     def notif(self, incarnation_id: str) -> bytes:
         """The notification this pull's READ carries to the prefill (it completes the lease for this reader)."""

@@ -220,6 +220,7 @@ class DecodeSide:
         stats.post_s, stats.pin_s, stats.launch_s = pull.posted_s - t0, t_launch - t_pin, pull.posted_s - t_launch
         pull.phase = PullPhase.POSTED
         self._posted.append(pull)
+        self._confirm.posted(peer, pull)  # (while the transfer runs)
         self._check(pull, state)
 
     def _check(self, pull: Pull, state: XferState) -> None:
