@@ -127,6 +127,16 @@ def test_a_decode_opens_only_a_board_of_its_form_size_and_incarnation(board, tmp
     assert BoardReader.open(link.name, INCARNATION, str(tmp_path)) is None
 
 
+def test_a_closed_board_is_gone_and_later_lease_changes_do_nothing(tmp_path) -> None:
+    writer = BoardWriter.create(INCARNATION, str(tmp_path))
+    assert writer is not None
+    writer.held("lease-a", PROMPT, [1], ())
+    writer.close()  # (a connector closing while its engine still ends leases)
+    writer.ended("lease-a")
+    writer.held("lease-b", PROMPT, [2], ())
+    assert not os.path.exists(writer.path)
+
+
 def test_a_board_whose_owner_is_gone_is_removed_and_a_live_one_stays(board, tmp_path) -> None:
     orphan = tmp_path / ("kvconnect-board-" + "3" * 32)
     orphan.write_bytes(bytes(SIZE))  # (nobody holds its lock: its owner died)

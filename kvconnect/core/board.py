@@ -106,8 +106,8 @@ class BoardWriter:
 
     def held(self, lease_id: str, prompt: bytes, block_ids: Sequence[int], group_sizes: Sequence[int]) -> None:
         slot = slot_of(lease_id)
-        if self._owner.get(slot, lease_id) != lease_id:
-            return  # another held lease has the slot: this one is read with answers
+        if self._owner.get(slot, lease_id) != lease_id or self._mm.closed:
+            return  # another held lease has the slot: this one is read with answers (or the connector closed)
         off, gen = HEADER_BYTES + slot * SLOT_BYTES, next(self._gens)
         self._mm[off : off + 8] = _WORD.pack(gen << 1)  # a new generation, not held, before the binding changes
         self._mm[off + 8 : off + 8 + BINDING_BYTES] = binding(lease_id, prompt, block_ids, group_sizes)
@@ -116,7 +116,7 @@ class BoardWriter:
 
     def ended(self, lease_id: str) -> None:
         slot = slot_of(lease_id)
-        if self._owner.get(slot) != lease_id:
+        if self._owner.get(slot) != lease_id or self._mm.closed:
             return
         off = HEADER_BYTES + slot * SLOT_BYTES
         (word,) = _WORD.unpack_from(self._mm, off)
