@@ -68,8 +68,8 @@ def binding(lease_id: str, prompt: bytes, block_ids: Sequence[int] | np.ndarray,
 
 
 class BoardWriter:
-    """The prefill's board (one per connector): `update` after every lease state change, under the lease table's
-    lock (`LeaseTable(on_state=...)`)."""
+    """The prefill's board (one per connector): `held` at a grant and `ended` at the lease's end, both under the lease
+    table's lock (`LeaseTable(on_state=...)`, through the connector)."""
 
     def __init__(self, fd: int, path: str, incarnation_id: str) -> None:
         self._fd, self.path = fd, path
