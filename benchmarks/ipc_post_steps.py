@@ -72,7 +72,7 @@ def main() -> None:
     for name, values in steps.items():
         print(f"  {name:20s} {1e6 * statistics.median(values):8.1f}")
     # bare launch cost, same kernel, same process, nothing else running
-    gather = dec._decode.peers.all()[0].transport._gather  # (internals: a profiling script)
+    gather = dec._decode.peers.all()[0].link._gather  # (internals: a profiling script)
     local = np.sort(rng.permutation(320)[:256]).astype(np.int64)
     remote = np.sort(rng.permutation(320)[:256]).astype(np.int64)
     for _ in range(5):

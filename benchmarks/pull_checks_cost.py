@@ -1,4 +1,4 @@
-"""What the checks before a pull exists cost on the engine's thread: a vLLM worker (`WorkerSide`, CPU cache shaped
+"""What the checks before a pull exists cost on the engine's thread: a vLLM worker (`KVConnectWorker`, CPU cache shaped
 as vLLM's) pulling `--blocks` blocks at a time from a prefill process over NIXL, with each step of its
 `bind_connector_metadata` timed as it runs (the worker pairing its prefix-cache hit with the prefill's tail, the
 connector validating the params and building the pull). Medians over `--pulls` pulls, each a fresh lease; the
@@ -16,25 +16,26 @@ import statistics
 import time
 from typing import Any
 
+import kvconnect.core.decode.handle as decode_handle
 import kvconnect.core.decode.pull as decode_pull
 import kvconnect.core.plan.params as plan_params
 import kvconnect.vllm.worker as worker_module
 from kvconnect.core.config import connector_config
 from kvconnect.core.connector import KVConnector
-from kvconnect.core.decode.side import DecodeSide
+from kvconnect.core.decode.puller import Puller
 from kvconnect.harness.prefill import PrefillProcess
 from kvconnect.harness.vllm_shapes import packed_views
 from kvconnect.vllm.metadata import PullOrder, StepOrders
 
 STEPS = (  # (what, owner, attribute): timed where they run
-    ("worker: the whole start of a pull", worker_module.WorkerSide, "_start"),
+    ("worker: the whole start of a pull", worker_module.KVConnectWorker, "_start"),
     ("worker: pair the local hit with the prefill's tail", worker_module, "tail_pairs"),
     ("connector: pull()", KVConnector, "pull"),
-    ("connector: prepare", DecodeSide, "prepare"),
+    ("connector: prepare", Puller, "prepare"),
     ("  Pull.from_params", decode_pull.Pull, "from_params"),
     ("    validated_pull", decode_pull, "validated_pull"),
     ("      validate_block_ids (each)", plan_params, "validate_block_ids"),
-    ("    PullHandle()", decode_pull, "PullHandle"),
+    ("    PullHandle()", decode_handle, "PullHandle"),
 )
 
 
@@ -66,7 +67,7 @@ def main() -> None:
         pre.wait_setup()
         views, _ = packed_views("LBHNC", 2, num_blocks, 2, 16, 32, seed=1)
         config = connector_config({}, side_channel_host="127.0.0.1", kv_digest=False)
-        worker = worker_module.WorkerSide(config, tp_rank=0, total_kv_heads=2)
+        worker = worker_module.KVConnectWorker(config, tp_rank=0, total_kv_heads=2)
         worker.register_kv_caches(views, num_blocks=num_blocks, block_size=16, tp_size=1, page="vllm:cpu-vec")
         conn = worker.connector
         assert conn is not None

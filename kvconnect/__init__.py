@@ -15,7 +15,7 @@ from kvconnect.core.config import (
     connector_config,
 )
 from kvconnect.core.connector import KVConnector
-from kvconnect.core.decode.pull import PullHandle, PullStats
+from kvconnect.core.decode.handle import PullHandle, PullStats
 from kvconnect.core.errors import (
     AuthError,
     ConfigError,
@@ -36,8 +36,7 @@ from kvconnect.core.errors import (
     TransferTimeoutError,
 )
 from kvconnect.core.plan.layout import CacheSpec, LayoutKind
-from kvconnect.core.plan.params import KVTransferParams, parse_kv_transfer_params
-from kvconnect.core.prefill.record import new_lease_id
+from kvconnect.core.plan.params import KVTransferParams, new_lease_id, parse_kv_transfer_params
 from kvconnect.core.snapshot import ConnectorSnapshot
 from kvconnect.core.wire.protocol import LeaseState
 

@@ -16,17 +16,16 @@ decode state machine in milliseconds; tests/test_pull.py keeps doing the same ov
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvconnect.core.agent import XferState
+from kvconnect.core.agent import NixlAgent, XferState
 from kvconnect.core.cache import KVCache
-from kvconnect.core.errors import PeerGoneError
+from kvconnect.core.errors import PeerGoneError, TransportUnavailableError
 from kvconnect.core.plan.descriptors import PairPlan, PullPlan
 from kvconnect.core.plan.hetero import SourcePlan
-from kvconnect.core.transports.base import Posted, Transport, TransportKind
+from kvconnect.core.transports.base import Link, Move, Transport
 from kvconnect.core.wire import protocol as p
 
 
@@ -46,7 +45,7 @@ class Wire:
     hold: bool = False
     fail: int = 0  # the next `fail` transfers end in ERR
     gone: bool = False
-    posted: list[FakePosted] = field(default_factory=list)
+    posted: list[FakeMove] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def serve(self, prefill_agent_name: str, cache: KVCache) -> None:
@@ -58,26 +57,38 @@ class Wire:
             self.hold = False
 
     def path(self) -> type[Transport]:
-        """The fake as a fast path (`KVConnector(fast_paths=...)`) for a decode connector: it opens to any peer
-        that offers it (a prefill built with `fast_paths=(FakeTransport,)`) whose cache this wire serves."""
+        """The fake as a transport (`KVConnector(transports=...)`) for a decode connector: it opens to any peer
+        that offers it (a prefill built with `transports=(FakeTransport,)`) whose cache this wire serves."""
         wire = self
 
         class OnThisWire(FakeTransport):
-            @classmethod
-            def open(cls, offer: bytes, info: p.PeerInfo, plan: SourcePlan, cache: KVCache) -> Transport:
-                return FakeTransport(wire, cache, wire.caches[info.agent_name], plan.pair)
+            def open(self, offer: bytes, info: p.PeerInfo, plan: SourcePlan) -> Link:
+                if not offer:
+                    raise TransportUnavailableError("not offered by the peer")
+                assert self.cache is not None
+                return FakeLink(wire, self.cache, wire.caches[info.agent_name], plan.pair)
 
         return OnThisWire
 
 
-class FakePosted(Posted):
+class FakeMove(Move):
     abandonable = True
 
-    def __init__(self, wire: Wire, copy: Callable[[], None], fails: bool) -> None:
-        self._wire = wire
-        self._copy = copy
-        self._fails = fails
+    def __init__(
+        self, wire: Wire, local: KVCache, remote: KVCache, pair: PairPlan, ids: tuple[np.ndarray, ...]
+    ) -> None:
+        self._wire, self._local, self._remote, self._pair = wire, local, remote, pair
+        self.local_ids, self.remote_ids, self._num_tokens = ids[0], ids[1], None
+        self._fails = False
         self.copied = False
+
+    def post(self, notif: bytes) -> tuple[XferState, PullPlan]:
+        plan = self._pair.plan_validated(self.local_ids, self.remote_ids, self._num_tokens)
+        with self._wire.lock:
+            self._fails = self._wire.fail > 0
+            self._wire.fail -= int(self._fails)
+        self._wire.posted.append(self)
+        return self.state(), plan
 
     def state(self) -> XferState:
         with self._wire.lock:
@@ -88,36 +99,32 @@ class FakePosted(Posted):
             if self._wire.hold:
                 return XferState.PROC
         if not self.copied:
-            self._copy()
+            copy_blocks(self._local, np.array(self.local_ids), self._remote, np.array(self.remote_ids))
             self.copied = True
         return XferState.DONE
 
-    def release(self) -> None:
-        pass
 
-
-class FakeTransport(Transport):
-    kind = TransportKind.MEMORY
-    notifies = False  # (the prefill learns of a read only from the decode's confirmation)
-
-    @classmethod
-    def offer(cls, cache: KVCache) -> bytes:
-        return b"in-process"  # (what a prefill built with this path offers; `Wire.path` opens it)
-
+class FakeLink(Link):
     def __init__(self, wire: Wire, local: KVCache, remote: KVCache, pair: PairPlan) -> None:
         self._wire, self._local, self._remote, self._pair = wire, local, remote, pair
 
-    def order(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return self._pair.order_checked(local_ids, remote_ids)
+    def prepare(self, local_ids: np.ndarray, remote_ids: np.ndarray, num_tokens: int | None) -> Move | None:
+        ordered = self._pair.order_checked(local_ids, remote_ids)
+        move = FakeMove(self._wire, self._local, self._remote, self._pair, ordered)
+        move._num_tokens = num_tokens
+        return move
 
-    def post(
-        self, local_ids: np.ndarray, remote_ids: np.ndarray, num_tokens: int | None, notif: bytes
-    ) -> tuple[Posted, XferState, PullPlan]:
-        plan = self._pair.plan_validated(local_ids, remote_ids, num_tokens)
-        with self._wire.lock:
-            fails = self._wire.fail > 0
-            self._wire.fail -= int(fails)
-        local, remote = np.array(local_ids), np.array(remote_ids)
-        posted = FakePosted(self._wire, lambda: copy_blocks(self._local, local, self._remote, remote), fails)
-        self._wire.posted.append(posted)
-        return posted, posted.state(), plan
+
+class FakeTransport(Transport):
+    kind = "memory"
+    notifies = False  # (the prefill learns of a read only from the decode's confirmation)
+
+    def __init__(self) -> None:
+        self.cache: KVCache | None = None
+
+    def start(self, cache: KVCache, agent: NixlAgent) -> bytes:
+        self.cache = cache
+        return b"in-process"  # (what a prefill built with this transport offers; `Wire.path` opens it)
+
+    def open(self, offer: bytes, info: p.PeerInfo, plan: SourcePlan) -> Link:
+        raise TransportUnavailableError("a prefill's fake: only a wire's (`Wire.path`) opens")

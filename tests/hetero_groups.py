@@ -12,7 +12,7 @@ import torch
 
 from kvconnect.core.plan.hetero import plan_sources
 from kvconnect.core.plan.layout import CacheSpec, LayoutKind
-from kvconnect.core.prefill.record import new_lease_id
+from kvconnect.core.plan.params import new_lease_id
 from kvconnect.harness.net import free_port_run
 from kvconnect.harness.prefill import PrefillProcess, reference_kv
 from tests.faultkit import poll_until

@@ -16,7 +16,10 @@ Nothing in the package (or scripts/) imports tests.
 
 Inside core, sub-rooms follow a request (`CORE_ALLOWED`): errors <- plan (pure: no I/O library) <- wire <-
 core's own top-level modules (config, agent, cache, digest, ...) <- transports <- prefill | decode <- the
-connector and its loop. The prefill and decode halves never import each other.
+connector and its loop. The prefill and decode halves never import each other. Each transport owns both halves of
+its transfer (its module defines its `start`, prefill half, and its `open`, decode half), so the decode half knows
+no NIXL detail; the prefill half owns its state (the lease table, its parts and the board writer are built and
+reached only from `prefill/`), and the connector only composes.
 """
 
 from __future__ import annotations
@@ -112,7 +115,7 @@ GRAPH = {name: imported(path) for name, path in MODULES.items()}
 
 def test_the_graph_sees_the_imports_it_should() -> None:
     # a check that can fail: known edges of the real package are found, TYPE_CHECKING ones included
-    assert "kvconnect.core.decode.side" in GRAPH["kvconnect.core.connector"]
+    assert "kvconnect.core.decode.puller" in GRAPH["kvconnect.core.connector"]
     assert core_room("kvconnect.core.plan.layout") == "plan" and core_room("kvconnect.core.config") == "base"
     assert (
         core_room("kvconnect.core.errors") == "errors" and core_room("kvconnect.core.transports.base") == "transports"
@@ -159,6 +162,44 @@ def test_the_prefill_and_decode_halves_never_meet_below_the_connector() -> None:
 @pytest.mark.parametrize("module", [m for m in CORE_MODULES if core_room(m) == "plan"])
 def test_planning_imports_no_io_library(module: str) -> None:
     assert not third_party(MODULES[module]) & IO_LIBRARIES, f"{module}: {third_party(MODULES[module]) & IO_LIBRARIES}"
+
+
+TRANSPORT_MODULES = ("kvconnect.core.transports.nixl_read", "kvconnect.core.transports.ipc_gather")
+
+
+@pytest.mark.parametrize("module", TRANSPORT_MODULES)
+def test_each_transport_owns_both_halves_of_its_transfer(module: str) -> None:
+    """A transport module defines a `Transport` with its own `start` (set-up and prefill half) and `open` (decode
+    half), and the `Link` and `Move` it opens: nothing of its path is built elsewhere."""
+    tree = ast.parse(MODULES[module].read_text())
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    bases = {name: {getattr(b, "id", "") for b in node.bases} for name, node in classes.items()}
+    (transport,) = [name for name, b in bases.items() if "Transport" in b]
+    methods = {f.name for f in classes[transport].body if isinstance(f, ast.FunctionDef)}
+    assert {"start", "open"} <= methods, f"{module}: {transport} lacks {sorted({'start', 'open'} - methods)}"
+    assert any("Link" in b for b in bases.values()) and any("Move" in b for b in bases.values()), module
+
+
+NIXL_DETAIL = ("kvconnect.core.agent", "kvconnect.core.transports.nixl_read", "kvconnect.core.transports.staging")
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("kvconnect.core.decode.")))
+def test_the_decode_half_imports_no_nixl_detail(module: str) -> None:
+    """The decode half sees transports only through `transports/base.py` and the registry: NIXL's wrapper, its
+    READ transport and its staging cache are the transport's business."""
+    assert not GRAPH[module] & set(NIXL_DETAIL), f"{module} imports {sorted(GRAPH[module] & set(NIXL_DETAIL))}"
+    assert "nixl" not in {n.split(".")[0] for n in third_party(MODULES[module])}, module
+
+
+@pytest.mark.parametrize(
+    "module", sorted(m for m in MODULES if not m.startswith("kvconnect.core.prefill.") and m != "kvconnect.core.board")
+)
+def test_the_prefill_state_is_built_and_reached_only_in_the_prefill_half(module: str) -> None:
+    """The lease table and the lease board's writer belong to the prefill half: outside `prefill/`, only the
+    decode may read a board (`BoardReader`), and nothing constructs a `LeaseTable` or a `BoardWriter`."""
+    text = MODULES[module].read_text()
+    assert "LeaseTable(" not in text and "BoardWriter" not in text, module
+    assert "kvconnect.core.prefill.table" not in GRAPH[module], module
 
 
 def test_no_import_cycles() -> None:

@@ -20,9 +20,9 @@ from kvconnect.bench.report import BenchOptions, Geometry, read_json
 from kvconnect.cli import build_parser, main
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig
-from kvconnect.core.decode.staging import scatter
 from kvconnect.core.errors import ConfigError, TransferError
 from kvconnect.core.plan.layout import CacheSpec, LayoutKind
+from kvconnect.core.transports.staging import scatter
 
 SMALL = Geometry(model="small", num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16", block_size=16)
 

@@ -151,7 +151,7 @@ def test_a_board_whose_owner_is_gone_is_removed_and_a_live_one_stays(board, tmp_
 def prefill() -> Iterator[KVConnector]:
     cache = KVCache.allocate(spec(LayoutKind.CROSS_LAYER))
     cache.fill_pattern(11)
-    with KVConnector(cache, config_for_tests(kv_digest=False), fast_paths=(FakeTransport,)) as conn:
+    with KVConnector(cache, config_for_tests(kv_digest=False), transports=(FakeTransport,)) as conn:
         yield conn
 
 
@@ -162,7 +162,7 @@ def a_ready_decode(prefill: KVConnector, **config) -> Iterator[tuple[KVConnector
     wire.serve(prefill._peer_info.agent_name, prefill.cache)
     cache = KVCache.allocate(spec(LayoutKind.BLOCKS_FIRST, 32))
     settings = {"kv_digest": False, "pull_timeout_s": 60.0, **config}
-    with KVConnector(cache, config_for_tests(**settings), fast_paths=(wire.path(),)) as dec:
+    with KVConnector(cache, config_for_tests(**settings), transports=(wire.path(),)) as dec:
         dec.pull(prefill.lease(rid(), [1], 16), [31]).wait(10)
         yield dec, wire
 
@@ -225,7 +225,7 @@ def test_a_pull_for_another_prompt_is_not_read_from_the_board(prefill) -> None:
 def test_with_the_board_off_on_either_side_a_pull_waits_for_its_pins_answer(side) -> None:
     cache = KVCache.allocate(spec(LayoutKind.CROSS_LAYER))
     config = config_for_tests(kv_digest=False, lease_board=side != "prefill")
-    with KVConnector(cache, config, fast_paths=(FakeTransport,)) as pre:
+    with KVConnector(cache, config, transports=(FakeTransport,)) as pre:
         assert bool(pre._peer_info.lease_board) is (side != "prefill")
         with a_ready_decode(pre, lease_board=side != "decode") as (dec, _):
             params = pre.lease(rid(), [3], 16)
@@ -262,7 +262,7 @@ def test_a_vllm_worker_reading_the_tail_of_a_lease_is_usable_from_the_board_over
     process holds its PIN answers and the READs' notifications, so only the board can make the pull usable."""
     from kvconnect.harness.vllm_shapes import packed_views
     from kvconnect.vllm.metadata import PullOrder, StepOrders
-    from kvconnect.vllm.worker import WorkerSide
+    from kvconnect.vllm.worker import KVConnectWorker
 
     pre = PrefillProcess.launch(kv_digest=False)
     try:
@@ -270,7 +270,7 @@ def test_a_vllm_worker_reading_the_tail_of_a_lease_is_usable_from_the_board_over
         pre.setup_views("LBHNC", dict(layers=2, blocks=12, heads=2, tokens=32, head_dim=32, page="vllm:cpu-vec"), 4)
         pre.wait_setup()
         views, _ = packed_views("LBHNC", 2, 12, 2, 32, 32, seed=1)
-        decode = WorkerSide(config_for_tests(kv_digest=False), tp_rank=0, total_kv_heads=2)
+        decode = KVConnectWorker(config_for_tests(kv_digest=False), tp_rank=0, total_kv_heads=2)
         decode.register_kv_caches(views, num_blocks=12, block_size=32, tp_size=1, page="vllm:cpu-vec")
         dec = decode.connector
         assert dec is not None

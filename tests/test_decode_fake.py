@@ -25,7 +25,7 @@ from tests.helpers import config_for_tests, spec
 def prefill() -> Iterator[KVConnector]:
     cache = KVCache.allocate(spec(LayoutKind.CROSS_LAYER))
     cache.fill_pattern(7)
-    with KVConnector(cache, config_for_tests(), faults=FaultHooks(), fast_paths=(FakeTransport,)) as conn:
+    with KVConnector(cache, config_for_tests(), faults=FaultHooks(), transports=(FakeTransport,)) as conn:
         yield conn
 
 
@@ -38,7 +38,7 @@ def wire(prefill: KVConnector) -> Wire:
 
 def decoder(wire: Wire, kind: LayoutKind = LayoutKind.BLOCKS_FIRST, **config) -> KVConnector:
     cache = KVCache.allocate(spec(kind, 32))
-    return KVConnector(cache, config_for_tests(**config), fast_paths=(wire.path(),))
+    return KVConnector(cache, config_for_tests(**config), transports=(wire.path(),))
 
 
 def rid() -> str:
@@ -68,7 +68,7 @@ def test_a_pinned_pull_confirms_even_when_its_success_callback_raises(prefill, w
     params = prefill.lease(rid(), [5, 6], 32)
     cache = KVCache.allocate(spec(LayoutKind.BLOCKS_FIRST, 32))
     config = config_for_tests(pull_timeout_s=120.0)
-    with KVConnector(cache, config, fast_paths=(wire.path(),), on_pull_done=raising) as dec:
+    with KVConnector(cache, config, transports=(wire.path(),), on_pull_done=raising) as dec:
         handle = dec.pull(params, [0, 1])
         poll_until(handle.done, what="the pull")
         assert handle.error is None
@@ -227,7 +227,7 @@ def test_a_pin_is_trusted_no_longer_than_the_prefill_keeps_it(wire) -> None:
         cache,
         config_for_tests(lease_ttl_s=1.0, kv_digest=False),
         on_blocks_freed=freed.extend,
-        fast_paths=(FakeTransport,),
+        transports=(FakeTransport,),
     ) as short:
         wire.serve(short._peer_info.agent_name, short.cache)
         params = short.lease(rid(), [4, 5], 32)
@@ -320,7 +320,7 @@ def test_first_contacts_and_known_peers_are_bounded_and_idle_peers_make_room(mon
         s.bind(("127.0.0.1", 0))
         nobody = s.getsockname()[1]  # nobody answers there: handshakes stay in flight
     caches = [KVCache.allocate(spec(LayoutKind.CROSS_LAYER)) for _ in range(3)]
-    prefills = [KVConnector(c, config_for_tests(), fast_paths=(FakeTransport,)) for c in caches]
+    prefills = [KVConnector(c, config_for_tests(), transports=(FakeTransport,)) for c in caches]
     try:
         for p_, c in zip(prefills, caches, strict=True):
             wire.serve(p_._peer_info.agent_name, c)
@@ -348,7 +348,7 @@ def test_prefill_legs_nobody_reads_cannot_hold_the_whole_cache(wire) -> None:
     cache = KVCache.allocate(spec(LayoutKind.CROSS_LAYER, 16))
     cache.fill_pattern(5)
     with KVConnector(
-        cache, config_for_tests(lease_cache_share=0.5, lease_ttl_s=60.0), fast_paths=(FakeTransport,)
+        cache, config_for_tests(lease_cache_share=0.5, lease_ttl_s=60.0), transports=(FakeTransport,)
     ) as prefill:
         wire.serve(prefill._peer_info.agent_name, cache)
         abandoned = [prefill.lease(rid(), [2 * i, 2 * i + 1], 32) for i in range(4)]  # 8 of 16 blocks

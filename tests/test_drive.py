@@ -147,7 +147,7 @@ def test_the_vllm_worker_side_drives_its_pulls_from_the_engine_thread(monkeypatc
     import kvconnect.vllm.worker as worker_module
     from kvconnect.harness.vllm_shapes import packed_views
     from kvconnect.vllm.metadata import PullOrder, StepOrders
-    from kvconnect.vllm.worker import WorkerSide
+    from kvconnect.vllm.worker import KVConnectWorker
 
     late = SimpleNamespace(monotonic=lambda: time.monotonic() - 5.0, time=time.time, sleep=time.sleep)
     monkeypatch.setattr(worker_module, "time", late)
@@ -160,7 +160,7 @@ def test_the_vllm_worker_side_drives_its_pulls_from_the_engine_thread(monkeypatc
         pre.wait_setup()
         params = pre.lease("worker-driven", [2, 9], 64)
         views, _ = packed_views("LBHNC", 2, 12, 2, 32, 32, seed=1)
-        worker = WorkerSide(config_for_tests(), tp_rank=0, total_kv_heads=2, faults=FaultHooks())
+        worker = KVConnectWorker(config_for_tests(), tp_rank=0, total_kv_heads=2, faults=FaultHooks())
         worker.register_kv_caches(views, num_blocks=12, block_size=32, tp_size=1, page="vllm:cpu-vec")
         conn = worker.connector
         assert conn is not None
@@ -212,7 +212,7 @@ def test_an_idle_step_that_waits_only_for_leases_polls_and_never_spins() -> None
     answered by the loop thread alone, the decode waited 0.4-0.6 ms more for each. Polling, the wait's own
     ticks answer a PIN within `DRIVE_EVERY_S`."""
     from kvconnect.harness.vllm_shapes import packed_views
-    from kvconnect.vllm.worker import DRIVE_EVERY_S, WorkerSide
+    from kvconnect.vllm.worker import DRIVE_EVERY_S, KVConnectWorker
 
     class Waits(threading.Event):  # the idle wait's sleeps between ticks
         def __init__(self) -> None:
@@ -224,7 +224,7 @@ def test_an_idle_step_that_waits_only_for_leases_polls_and_never_spins() -> None
             return super().wait(timeout)
 
     views, _ = packed_views("LBHNC", 2, 12, 2, 32, 32, seed=1)
-    worker = WorkerSide(config_for_tests(), tp_rank=0, total_kv_heads=2, faults=FaultHooks())
+    worker = KVConnectWorker(config_for_tests(), tp_rank=0, total_kv_heads=2, faults=FaultHooks())
     worker.register_kv_caches(views, num_blocks=12, block_size=32, tp_size=1, page="vllm:cpu-vec")
     assert worker._drive_every_s == DRIVE_EVERY_S  # (a CPU cache polls, pulls or not)
     try:
@@ -242,7 +242,7 @@ def a_pin_unanswered(faults: FaultHooks | None = None) -> Iterator[tuple[Prefill
     read its blocks (2, 9 into 4, 1) and waits only for that answer: (prefill, worker, its connector)."""
     from kvconnect.harness.vllm_shapes import packed_views
     from kvconnect.vllm.metadata import PullOrder, StepOrders
-    from kvconnect.vllm.worker import WorkerSide
+    from kvconnect.vllm.worker import KVConnectWorker
 
     pre = PrefillProcess.launch()
     try:
@@ -250,7 +250,7 @@ def a_pin_unanswered(faults: FaultHooks | None = None) -> Iterator[tuple[Prefill
         pre.setup_views("LBHNC", dict(layers=2, blocks=12, heads=2, tokens=32, head_dim=32, page="vllm:cpu-vec"), 4)
         pre.wait_setup()
         views, _ = packed_views("LBHNC", 2, 12, 2, 32, 32, seed=1)
-        decode = WorkerSide(config_for_tests(), tp_rank=0, total_kv_heads=2, faults=faults)
+        decode = KVConnectWorker(config_for_tests(), tp_rank=0, total_kv_heads=2, faults=faults)
         decode.register_kv_caches(views, num_blocks=12, block_size=32, tp_size=1, page="vllm:cpu-vec")
         dec = decode.connector
         assert dec is not None

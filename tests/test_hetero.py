@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvconnect.core.cache import KVCache
-from kvconnect.core.decode.staging import scatter
 from kvconnect.core.errors import InvalidRequestError, LayoutMismatchError
 from kvconnect.core.plan.hetero import Path, plan_source, plan_sources
 from kvconnect.core.plan.layout import CacheSpec, LayoutKind
+from kvconnect.core.transports.staging import scatter
 from tests.oracle import execute
 from tests.oracle import plan as full_plan
 

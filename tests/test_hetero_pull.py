@@ -47,7 +47,7 @@ def test_tp_size_that_cannot_split_the_heads_is_refused_naming_it() -> None:
 
 
 def test_pull_paths_reach_the_metrics() -> None:
-    from kvconnect.core.decode.pull import PullStats
+    from kvconnect.core.decode.handle import PullStats
     from kvconnect.serving.metrics import WorkerMetrics
 
     metrics = WorkerMetrics()

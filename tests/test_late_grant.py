@@ -12,7 +12,7 @@ from kvconnect.core.cache import KVCache
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.errors import LeaseLostError
 from kvconnect.core.plan.layout import CacheSpec, LayoutKind
-from kvconnect.core.prefill.record import new_lease_id
+from kvconnect.core.plan.params import new_lease_id
 from kvconnect.harness.prefill import PrefillProcess
 from tests.faultkit import poll_until
 from tests.helpers import config_for_tests
@@ -64,7 +64,7 @@ def test_a_pull_posted_before_the_grant_succeeds_once_the_lease_is_granted(late_
         before = pre.ask("unknown")
         handle = dec.pull(params, [1, 2])
         poll_until(lambda: pre.ask("unknown") > before, what="the prefill was asked about the lease")
-        assert handle.poll() is None  # still waiting for the grant, not failed
+        assert handle.poll() is False  # still waiting for the grant, not failed
         pre.lease(request_id, [4, 5], lease_id=params.remote_lease_id)
         handle.wait(20)
         assert dec.cache.block_bytes(2) == pre.ask("block", 5)

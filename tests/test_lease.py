@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvconnect.core.errors import LeaseError
 from kvconnect.core.faults import FaultHooks
-from kvconnect.core.prefill.lease import LeaseTable
+from kvconnect.core.prefill.table import LeaseTable
 from kvconnect.core.wire.protocol import LeaseState
 
 
@@ -246,7 +246,7 @@ def test_a_release_that_precedes_its_grant_ends_the_grant_within_the_grace() -> 
 def test_early_releases_are_bounded_whatever_a_peer_sends() -> None:
     """A peer may name any request id and up to a 4 MiB message of block ids: the table remembers at most
     MAX_EARLY_RELEASES of them (the oldest go first), and none whose id is over MAX_EARLY_ID characters."""
-    from kvconnect.core.prefill import record as lease_module
+    from kvconnect.core.prefill import early as lease_module
 
     clock = Clock()
     t = LeaseTable(10.0, clock, lambda rid, ids: None, grace_s=5.0)

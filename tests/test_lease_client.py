@@ -15,7 +15,7 @@ from kvconnect.core.config import connector_config
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.plan.hetero import Source
 from kvconnect.core.plan.layout import CacheSpec, LayoutKind
-from kvconnect.core.prefill.record import new_lease_id
+from kvconnect.core.plan.params import new_lease_id
 from kvconnect.core.wire import lease_client
 from kvconnect.core.wire import protocol as p
 from kvconnect.core.wire.handshake import request

@@ -11,8 +11,10 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvconnect.core.prefill.lease import LeaseTable
-from kvconnect.core.prefill.record import EarlyReleases, Lease, let_go, room_for
+from kvconnect.core.prefill.early import EarlyReleases
+from kvconnect.core.prefill.holds import Holds
+from kvconnect.core.prefill.lease import Lease
+from kvconnect.core.prefill.table import LeaseTable
 from kvconnect.core.wire.protocol import LeaseState
 
 TTL_S, TOMB_S = 10.0, 30.0
@@ -27,7 +29,7 @@ class Clock:
 
 
 class ScanningTable(LeaseTable):
-    """The reference: `expire` as it was before the heap, looking at every lease the table remembers."""
+    """The reference: an `expire` that looks at every lease the table remembers."""
 
     def _due_ids(self, now: float) -> list[str]:
         return list(self._leases)
@@ -59,18 +61,18 @@ def test_a_tick_looks_only_at_the_leases_with_something_due() -> None:
 
 
 def test_a_grant_over_the_cache_share_looks_only_at_the_held_leases(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Making room (module doc of lease.py, "Bounded") expires the oldest held leases nobody pinned; it walked every
-    lease the table remembered, a minute's tombstones included, at each grant over the bound."""
-    import kvconnect.core.prefill.lease as lease_module
-
+    """Making room (table.py's module doc, "Bounded") expires the oldest held leases nobody pinned, looking at the held
+    ones only: never at every lease the table remembers, a minute's tombstones included, at each grant over the
+    bound."""
     seen: list[int] = []
+    room_for = Holds.room_for
 
-    def counting(ids, leases, holders, max_blocks):  # type: ignore[no-untyped-def]
+    def counting(self, ids, leases, max_blocks):  # type: ignore[no-untyped-def]
         leases = list(leases)
         seen.append(len(leases))
-        return room_for(ids, leases, holders, max_blocks)
+        return room_for(self, ids, leases, max_blocks)
 
-    monkeypatch.setattr(lease_module, "room_for", counting)
+    monkeypatch.setattr(Holds, "room_for", counting)
     t = LeaseTable(TTL_S, Clock(), lambda lease, ids: None, tombstone_s=TOMB_S, max_blocks=4)
     for i in range(500):
         t.grant(f"done{i}", [i % 4])
@@ -92,8 +94,10 @@ def test_early_releases_are_forgotten_oldest_first_without_walking_the_rest() ->
 
 
 def test_let_go_hands_back_only_the_blocks_no_other_lease_holds() -> None:
-    holders = {1: 2, 2: 1}
-    assert let_go(holders, [1, 2]) == [2] and holders == {1: 1}
+    holds = Holds()
+    holds.take([1, 2])
+    holds.take([1])
+    assert holds.let_go([1, 2]) == [2] and len(holds) == 1 and holds.let_go([1]) == [1] and len(holds) == 0
 
 
 IDS = ["lease0", "lease1"]

@@ -41,8 +41,8 @@ def prefills():
         proc.stop()
 
 
-def connector_for(kind: LayoutKind, fast_paths, **config) -> KVConnector:
-    return KVConnector(KVCache.allocate(spec(kind, 32)), config_for_tests(**config), fast_paths=fast_paths)
+def connector_for(kind: LayoutKind, transports, **config) -> KVConnector:
+    return KVConnector(KVCache.allocate(spec(kind, 32)), config_for_tests(**config), transports=transports)
 
 
 def rid() -> str:
@@ -277,12 +277,12 @@ def test_prefill_restart_under_same_engine_id() -> None:
 
 
 def test_a_peer_set_up_that_raises_fails_its_pulls_at_once_and_is_handshaken_again(prefills, monkeypatch) -> None:
-    """Any exception after the remote agent was added (here a RuntimeError building the transport) ends the
-    waiting pulls with a named error, drops the half-made peer, and the next pull handshakes afresh."""
-    from kvconnect.core.decode import peers
+    """Any exception after the remote agent was added (here a RuntimeError building NIXL's link) ends the waiting
+    pulls with a named error, drops the half-made peer (and its remote agent), and the next pull handshakes afresh."""
     from kvconnect.core.errors import HandshakeError
+    from kvconnect.core.transports import nixl_read
 
-    real = peers.NixlRead
+    real = nixl_read.NixlLink
     calls = []
 
     def flaky(*args, **kwargs):
@@ -291,7 +291,7 @@ def test_a_peer_set_up_that_raises_fails_its_pulls_at_once_and_is_handshaken_aga
             raise RuntimeError("set-up bug")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(peers, "NixlRead", flaky)
+    monkeypatch.setattr(nixl_read, "NixlLink", flaky)
     pre = prefills[LayoutKind.BLOCKS_FIRST]
     with decoder(LayoutKind.BLOCKS_FIRST, pull_timeout_s=30) as dec:
         t0 = time.monotonic()
@@ -303,6 +303,7 @@ def test_a_peer_set_up_that_raises_fails_its_pulls_at_once_and_is_handshaken_aga
         assert dec.cache.block_bytes(1) == pre.ask("block", 4)
         snap = dec.snapshot()
         assert (snap.handshakes, snap.handshake_failures) == (1, 1) and len(calls) == 2
+        assert sum(1 for x in dec._agent._lists if x.agent_name) == 1  # (the failed attempt's remote list is gone)
 
 
 def test_a_pull_ends_by_its_own_deadline_while_its_peer_never_answers() -> None:
@@ -352,21 +353,20 @@ def test_an_ipc_gather_that_cannot_compile_leaves_nixl_and_says_so(prefills) -> 
     a gauge; peers then use NIXL, and a connector told to use only IPC refuses them naming why."""
     from kvconnect.core.transports.ipc_gather import IpcTransport, PeerCopyError
 
-    class NoCompiler(IpcTransport):  # (as on a GPU: the path applies to this cache, its warm-up fails)
+    class NoCompiler(IpcTransport):  # (as on a GPU: the transport applies to this cache, its start-up fails)
         @classmethod
         def applies(cls, cache) -> bool:
             return True
 
-        @classmethod
-        def warm_up(cls, cache) -> None:
+        def start(self, cache, agent) -> bytes:
             raise PeerCopyError("RuntimeError: failed to find a C compiler")
 
     pre = prefills[LayoutKind.CROSS_LAYER]
-    with connector_for(LayoutKind.CROSS_LAYER, fast_paths=(NoCompiler,)) as dec:
+    with connector_for(LayoutKind.CROSS_LAYER, transports=(NoCompiler,)) as dec:
         assert dec.snapshot().ipc_gather_unavailable == 1
         stats = dec.pull(pre.lease(rid(), [6]), [2]).wait(20)
         assert stats.transport == "nixl" and dec.cache.block_bytes(2) == pre.ask("block", 6)
-    with connector_for(LayoutKind.CROSS_LAYER, fast_paths=(NoCompiler,), transport="ipc") as dec:
+    with connector_for(LayoutKind.CROSS_LAYER, transports=(NoCompiler,), transport="ipc") as dec:
         with pytest.raises(TransportUnavailableError, match="ipc: unavailable here .RuntimeError: failed to find a C"):
             dec.pull(pre.lease(rid(), [7]), [3]).wait(20)
 

@@ -15,12 +15,13 @@ import pytest
 from kvconnect.core.cache import KVCache
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.decode.confirm import LeaseConfirmation
-from kvconnect.core.decode.peers import MAX_STAGING_POOLS, Peer
+from kvconnect.core.decode.peers import Peer
 from kvconnect.core.decode.pull import PinState, Pull
 from kvconnect.core.errors import KVConnectError, LayoutMismatchError, LeaseLostError
 from kvconnect.core.plan.hetero import Source
 from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 from kvconnect.core.plan.params import KVTransferParams
+from kvconnect.core.transports.nixl_read import MAX_STAGING_POOLS, NixlRead
 from kvconnect.core.wire import lease_client
 from kvconnect.core.wire import protocol as p
 from kvconnect.harness.prefill import PrefillProcess
@@ -120,9 +121,8 @@ def test_a_lease_answer_from_another_incarnation_fails_the_pull() -> None:
     """A pin answered HELD by a process that is not the one the decode handshook with (a prefill restarted
     on the same address) must not make the pull's data trusted."""
     failed: list[KVConnectError] = []
-    confirmation = LeaseConfirmation(
-        config_for_tests(), KVCache.allocate(SPEC), "decode", lambda pull: None, lambda pull, e: failed.append(e)
-    )
+    endings = types.SimpleNamespace(succeed=lambda pull: None, fail=lambda pull, e: failed.append(e))
+    confirmation = LeaseConfirmation(config_for_tests(), KVCache.allocate(SPEC), "decode", endings)  # type: ignore[arg-type]
     info = p.PeerInfo(p.PROTOCOL_VERSION, "prefill-0", "a" * 32, "agent", b"", SPEC, [0, 0, 0, 0])
     peer = Peer("prefill-0", "127.0.0.1", 5600, types.SimpleNamespace(), Source(0, (0, 2), 0, 1), info=info)
     pull = Pull.from_params(params_for("prefill-0", 5600, 1), [0, 1], "r-1", SPEC, 10.0)
@@ -139,15 +139,12 @@ def test_staging_caches_are_capped_per_decode() -> None:
     """Each remote cache shape a decode stages for costs a staging cache of up to staging_mb; a decode that
     any client can point at prefills of ever new shapes must stop allocating them."""
     with decoder() as dec:
-        peers = dec._decode.peers
+        (nixl,) = [t for t in dec._transports.started if isinstance(t, NixlRead)]
         for i in range(MAX_STAGING_POOLS):
-            peers.staging[msgspec.structs.replace(SPEC, num_blocks=100 + i)] = object()  # type: ignore[assignment]
-        plan = types.SimpleNamespace(
-            staging_spec=msgspec.structs.replace(SPEC, num_blocks=99), pair=types.SimpleNamespace(remote_spec=SPEC)
-        )
+            nixl.staging[msgspec.structs.replace(SPEC, num_blocks=100 + i)] = object()  # type: ignore[assignment]
         with pytest.raises(LayoutMismatchError, match="staging cache"):
-            peers._local_list(plan)  # type: ignore[arg-type]
-        peers.staging.clear()
+            nixl._staging_pool(msgspec.structs.replace(SPEC, num_blocks=99))
+        nixl.staging.clear()
 
 
 @pytest.mark.parametrize(

@@ -183,7 +183,7 @@ def test_a_tp_group_of_latent_caches_is_read_once_per_decode_rank_and_every_leas
     """Real NIXL, one process per prefill rank: every rank holds the whole latent (different bytes here, so a
     read from the wrong rank shows). Each decode rank reads one replica, block for block; a prefill rank that
     nobody reads is released by the decode at once, so no lease waits out its TTL."""
-    from kvconnect.core.prefill.record import new_lease_id
+    from kvconnect.core.plan.params import new_lease_id
     from kvconnect.harness.net import free_port_run
     from tests.faultkit import poll_until
 

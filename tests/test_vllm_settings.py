@@ -12,7 +12,7 @@ from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvconnect.core.errors import ConfigError  # noqa: E402
-from kvconnect.vllm.scheduler import SchedulerSide  # noqa: E402
+from kvconnect.vllm.scheduler import KVConnectScheduler  # noqa: E402
 from kvconnect.vllm.settings import read_settings  # noqa: E402
 
 
@@ -43,10 +43,10 @@ def test_an_inline_secret_is_refused_at_start_up_and_never_echoed() -> None:
 
 
 def test_a_kv_consumer_leases_nothing_for_a_clients_do_remote_decode() -> None:
-    consumer = SchedulerSide(read_settings(Cfg({}, role="kv_consumer")))
+    consumer = KVConnectScheduler(read_settings(Cfg({}, role="kv_consumer")))
     assert consumer.request_finished(Req({"do_remote_decode": True}), ([1, 2],)) == (False, None)
     assert consumer.build_connector_meta(1).leases == []
-    producer = SchedulerSide(read_settings(Cfg({}, role="kv_producer")))
+    producer = KVConnectScheduler(read_settings(Cfg({}, role="kv_producer")))
     delay, params = producer.request_finished(Req({"do_remote_decode": True}), ([1, 2],))
     assert delay and params is not None and params["remote_block_ids"] == [1, 2]
     assert [o.block_ids for o in producer.build_connector_meta(1).leases] == [[1, 2]]
@@ -56,7 +56,7 @@ def test_a_step_that_computes_nothing_is_idle_even_when_it_starts_a_pull() -> No
     """The step that orders a pull computes nothing when that request is the only one: its workers must wait
     for the pull then (idle), not a step later; on the H200 that later step cost ~1.5 ms of a 2 ms pull."""
     params = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1], "remote_host": "h"}
-    consumer = SchedulerSide(read_settings(Cfg({}, role="kv_consumer")))
+    consumer = KVConnectScheduler(read_settings(Cfg({}, role="kv_consumer")))
     consumer.update_state_after_alloc(Req(dict(params)), Blocks([[7, 8, 9]]), 65)
     orders = consumer.build_connector_meta(0)
     assert len(orders.pulls) == 1 and orders.idle
@@ -74,9 +74,9 @@ class Blocks:  # the parts of vLLM's KVCacheBlocks the scheduler half reads
 
 def test_a_kv_producer_pulls_nothing_for_a_clients_do_remote_prefill() -> None:
     params = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1], "remote_host": "h"}
-    producer = SchedulerSide(read_settings(Cfg({}, role="kv_producer")))
+    producer = KVConnectScheduler(read_settings(Cfg({}, role="kv_producer")))
     assert producer.get_num_new_matched_tokens(Req(dict(params)), 0) == (0, False)
-    consumer = SchedulerSide(read_settings(Cfg({}, role="kv_consumer")))
+    consumer = KVConnectScheduler(read_settings(Cfg({}, role="kv_consumer")))
     assert consumer.get_num_new_matched_tokens(Req(dict(params)), 0) == (65, True)
 
 
@@ -133,7 +133,7 @@ def test_a_model_with_state_prefills_all_but_the_last_token_and_the_decode_loads
     from kvconnect.vllm.groups import GroupMove
 
     moves = (GroupMove(FullAttentionSpec.__name__), GroupMove(MambaSpec.__name__, state=True, scratch_blocks=1))
-    producer = SchedulerSide(read_settings(Cfg({}, role="kv_producer")), moves)
+    producer = KVConnectScheduler(read_settings(Cfg({}, role="kv_producer")), moves)
     leg = Req({"do_remote_decode": True})
     leg._all_token_ids = list(leg.prompt_token_ids)
     producer.on_new_request(leg)
@@ -148,12 +148,12 @@ def test_a_model_with_state_prefills_all_but_the_last_token_and_the_decode_loads
     embeds.prompt_token_ids = None  # (prompt embeddings: nothing to shorten, so nothing may be leased)
     producer.on_new_request(embeds)
     assert producer.request_finished(embeds, ([3], [4])) == (False, None)
-    plain = SchedulerSide(read_settings(Cfg({}, role="kv_producer")))
+    plain = KVConnectScheduler(read_settings(Cfg({}, role="kv_producer")))
     untouched = Req({"do_remote_decode": True})
     plain.on_new_request(untouched)  # (attention only: the decode computes the last token's KV again)
     assert untouched.num_prompt_tokens == 65
 
-    consumer = SchedulerSide(read_settings(Cfg({}, role="kv_consumer")), moves)
+    consumer = KVConnectScheduler(read_settings(Cfg({}, role="kv_consumer")), moves)
     pull = {**params, "do_remote_prefill": True, "remote_host": "h", "remote_port": 5600}
     assert consumer.get_num_new_matched_tokens(Req(dict(pull)), 0) == (64, True)
     assert consumer.get_num_new_matched_tokens(Req(dict(pull)), 64) == (0, False)

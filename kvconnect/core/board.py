@@ -1,8 +1,8 @@
 """The lease board: a prefill's held leases, readable by the decodes on its host without a round trip.
 
 A pinned pull is usable once the prefill has answered its PIN (HELD). Over a same-host path (the CUDA IPC
-gather) the read itself takes less time than that answer's trip through two busy engine processes, so the
-answer, not the bytes, used to decide when the pull was usable. The board lets such a decode decide alone,
+gather) the read itself can take less time than that answer's trip through two busy engine processes, so without
+the board the answer, not the bytes, decides when the pull is usable. The board lets such a decode decide alone,
 after its read has ended:
 
 - The prefill keeps a small file in shared memory (`BOARD_DIR`, mode 0600, a random name it gives in its
@@ -69,7 +69,7 @@ def binding(lease_id: str, prompt: bytes, block_ids: Sequence[int] | np.ndarray,
 
 class BoardWriter:
     """The prefill's board (one per connector): `held` at a grant and `ended` at the lease's end, both under the lease
-    table's lock (`LeaseTable(on_state=...)`, through the connector)."""
+    table's lock (the prefill half's `Lender` shows each grant and end: `prefill/lender.py`)."""
 
     def __init__(self, fd: int, path: str, incarnation_id: str) -> None:
         self._fd, self.path = fd, path

@@ -1,13 +1,14 @@
-"""KVConnector: one worker's NIXL agent, side channel, lease table and loop, serving both roles.
+"""KVConnector: one worker's connector, serving both roles; this module only composes the halves.
 
-Prefill role: `lease()` reserves a finished request's blocks and returns the vLLM-named
-kv_transfer_params; the side channel answers handshakes and lease confirmations, and NIXL
-notifications complete leases. Decode role: `pull()` returns a `PullHandle` at once; the loop performs
-the handshake on first contact, posts one transfer over the peer's transport, and confirms the lease.
+Prefill role (`prefill/lender.py`): `lease()` reserves a finished request's blocks and returns the vLLM-named
+kv_transfer_params; the side channel answers handshakes and lease requests, and NIXL notifications complete
+leases. Decode role (`decode/puller.py`): `pull()` returns a `PullHandle` at once; the loop performs the
+handshake on first contact, posts one transfer through the peer's link (`transports/`), and confirms the
+lease.
 
-Construction does every piece of start-up work on the calling thread (NIXL registration, the fast paths'
-warm-up and offers: `transports/registry.py`) before the loop thread starts (`loop.py`); an engine may
-capture CUDA graphs as soon as it returns.
+Construction does every piece of start-up work on the calling thread (NIXL registration, every transport's
+start: `transports/registry.py`) before the loop thread starts (`loop.py`); an engine may capture CUDA graphs
+as soon as it returns.
 """
 
 from __future__ import annotations
@@ -22,25 +23,23 @@ import numpy as np
 import zmq
 
 from kvconnect.core.affinity import io_cpus, threads_started_on
-from kvconnect.core.agent import AgentOptions, MemKind, NixlAgent
-from kvconnect.core.board import BoardWriter
+from kvconnect.core.agent import AgentOptions, NixlAgent
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig
+from kvconnect.core.decode.handle import PullHandle, PullStats
 from kvconnect.core.decode.peers import PeerSet
-from kvconnect.core.decode.pull import Pull, PullHandle, PullStats
-from kvconnect.core.decode.side import DecodeSide
-from kvconnect.core.digest import block_sums
+from kvconnect.core.decode.pull import Pull
+from kvconnect.core.decode.puller import Puller
 from kvconnect.core.errors import KVConnectError
 from kvconnect.core.faults import FaultHooks
 from kvconnect.core.loop import Loop
 from kvconnect.core.plan.groups import GroupedBlocks
-from kvconnect.core.plan.params import KVTransferParams, lease_params, validate_block_ids
-from kvconnect.core.prefill.lease import LeaseTable
-from kvconnect.core.prefill.record import Lease, new_lease_id
-from kvconnect.core.prefill.side import PrefillSide, peer_info
+from kvconnect.core.plan.params import KVTransferParams
+from kvconnect.core.prefill.lease import Lease
+from kvconnect.core.prefill.lender import Lender
 from kvconnect.core.snapshot import ConnectorSnapshot, Counters
 from kvconnect.core.transports.base import Transport, TransportKind
-from kvconnect.core.transports.registry import FAST_PATHS, FastPaths
+from kvconnect.core.transports.registry import READY, Transports
 from kvconnect.core.wire import protocol as p
 from kvconnect.core.wire.handshake import SideChannelServer
 
@@ -48,9 +47,9 @@ log = logging.getLogger(__name__)
 
 
 def wait_readable(fds: list[int], timeout_s: float) -> bool:
-    """Block up to `timeout_s` (at least a millisecond), the GIL released, until one of `fds` is readable; False if
-    the wait failed (the caller then polls). `poll`, not `select`: a busy server's descriptors go past 1023, which
-    `select` refuses at once (the wait would have spun)."""
+    """Block up to `timeout_s` (at least a millisecond), the GIL released, until one of `fds` is readable; False
+    if the wait failed (the caller then polls). `poll`, not `select`: a busy server's descriptors go past
+    1023, which `select` refuses at once (the wait would have spun)."""
     poller = select.poll()
     for fd in fds:
         poller.register(fd, select.POLLIN)
@@ -71,9 +70,10 @@ class KVConnector:
         clock: Callable[[], float] = time.monotonic,
         on_lease_ended: Callable[[str, p.LeaseState], None] | None = None,
         faults: FaultHooks | None = None,
-        fast_paths: Sequence[type[Transport]] = FAST_PATHS,
+        transports: Sequence[type[Transport]] = (),
     ) -> None:
-        """`fast_paths`: the transports tried before NIXL (`transports/registry.py`; tests put a fake there)."""
+        """`transports`: the transports to take, in order of preference (default `registry.TRANSPORTS`; NIXL's
+        READ is added last if they lack it; tests put a fake there)."""
         cache.verify()
         self.cache = cache
         self.spec = cache.spec
@@ -81,21 +81,19 @@ class KVConnector:
         self.engine_id = config.engine_id
         self.incarnation_id = uuid.uuid4().hex
         self._counters = Counters()
-        self._on_blocks_freed = on_blocks_freed or (lambda ids: None)
-        self._on_lease_ended = on_lease_ended or (lambda request_id, state: None)
         self._on_pull_done = on_pull_done
         self.faults = faults  # None unless fault injection was asked for (faults.py)
-        expire_read = faults.take_read_expiry if faults is not None else None
-        self._board = BoardWriter.create(self.incarnation_id) if config.lease_board else None
-        self._leases = LeaseTable(
-            config.lease_ttl_s,
+        self._lender = Lender(
+            cache,
+            config,
+            self.incarnation_id,
+            self._counters,
+            on_blocks_freed or (lambda ids: None),
+            on_lease_ended or (lambda request_id, state: None),
             clock,
-            self._blocks_freed,
-            grace_s=config.lease_grace_s,
-            expire_read=expire_read,
-            max_blocks=max(1, int(config.lease_cache_share * self.spec.num_blocks)),
-            on_state=self._on_lease_state,
+            faults.take_read_expiry if faults is not None else None,
         )
+        self._leases = self._lender.leases
         if faults is not None:
             faults.bind(self._leases.force_expire)
         # NIXL's UCX and ZMQ start threads of their own here: not on the cores an engine pinned this thread to
@@ -104,30 +102,17 @@ class KVConnector:
                 f"{self.engine_id}-{self.incarnation_id[:12]}",
                 AgentOptions(num_threads=config.nixl_threads, telemetry=config.telemetry),
             )
-            regions = np.array(
-                [[addr, self.spec.region_bytes, cache.device_id] for addr in cache.base_addrs()], dtype=np.int64
-            )
-            self._agent.register(regions, MemKind.for_device(self.spec.device))
-            self._paths = FastPaths.start(cache, config.transport, fast_paths)  # (this thread: see the docstring)
-            board = self._board.name if self._board is not None else ""
-            self._peer_info = peer_info(
-                self.engine_id, self.incarnation_id, self._agent, cache, config, self._paths.offers, board
-            )
-            self._prefill = PrefillSide(self._leases, self._agent, self._counters, self.incarnation_id)
+            self._transports = Transports.start(cache, self._agent, config.transport, transports)  # (this thread)
+            self._lender.serve(self._agent)
+            self._peer_info = self._hello_answer()
             self._ctx = zmq.Context()
             secret = config.secret_bytes
             self._server = SideChannelServer(
                 self._ctx, config.side_channel_host, config.side_channel_port, self._handle, secret
             )
             self.side_channel_port = self._server.port
-            self._decode = DecodeSide(
-                PeerSet(self._agent, cache, config, self._ctx, secret, self._paths),
-                cache,
-                config,
-                self.engine_id,
-                self._counters,
-                self._pull_done,
-            )
+            peers = PeerSet(self._transports, cache, config, self._ctx, secret)
+            self._decode = Puller(peers, cache, config, self.engine_id, self._counters, self._pull_done)
             self._loop = Loop(
                 f"kvc-loop-{self.engine_id}",
                 self._tick,
@@ -147,13 +132,32 @@ class KVConnector:
                 "until the read ended, so a lease that expired mid-read goes unnoticed (not fail-closed)"
             )
         log.info(
-            "kvconnect %s (incarnation %s) side channel on %s:%d, %s cache %.1f MiB",
+            "kvconnect %s (incarnation %s) side channel on %s:%d, %s cache %.1f MiB; transports: %s",
             self.engine_id,
             self.incarnation_id[:12],
             config.side_channel_host,
             self.side_channel_port,
             self.spec.kind.value,
             self.spec.cache_bytes / 2**20,
+            self._transports.describe(),
+        )
+
+    def _hello_answer(self) -> p.PeerInfo:
+        """The handshake answer: the agent, the cache's spec and regions, what each transport offers, and the
+        name of the lease board (`board.py`; "": none)."""
+        cache, board = self.cache, self._lender.board
+        return p.PeerInfo(
+            protocol_version=p.PROTOCOL_VERSION,
+            engine_id=self.engine_id,
+            incarnation_id=self.incarnation_id,
+            agent_name=self._agent.name,
+            agent_metadata=self._agent.metadata(),
+            spec=cache.spec,
+            base_addrs=cache.base_addrs(),
+            device_id=cache.device_id,
+            lease_grace_ms=round(self.config.lease_grace_s * 1000),
+            offers=dict(self._transports.offers),
+            lease_board=board.name if board is not None else "",
         )
 
     # --- prefill role ------------------------------------------------------------------------------
@@ -176,24 +180,8 @@ class KVConnector:
         `prompt_digest` (`params.prompt_digest` of the prompt's token ids) binds the lease to its prompt: a
         reader serving another prompt is refused. `group_sizes`: a hybrid model's blocks per KV cache group,
         `block_ids` being the groups one after the other (plan/groups.py)."""
-        ids = validate_block_ids("block_ids", block_ids, self.spec.num_blocks).tolist()
-        lease_id = lease_id or new_lease_id()
-        content = block_sums(self.cache, ids) if self.config.kv_digest else ()
-        groups = GroupedBlocks.flat(ids, list(group_sizes), "group_sizes")
-        self._leases.grant(
-            lease_id, ids, label=request_id, content=content, prompt=prompt_digest, group_sizes=groups.sizes
-        )
-        return lease_params(
-            engine_id=self.engine_id,
-            host=self.config.advertise_host,
-            base_port=self.side_channel_port - self.spec.tp_rank,
-            tp_size=self.spec.tp_size,
-            incarnation_id=self.incarnation_id,
-            request_id=request_id,
-            lease_id=lease_id,
-            block_ids=ids,
-            num_tokens=num_tokens,
-            group_sizes=groups.wire_sizes(),
+        return self._lender.lend(
+            request_id, block_ids, num_tokens, lease_id, prompt_digest, group_sizes, self.side_channel_port
         )
 
     def release(self, lease_id: str) -> p.LeaseState:
@@ -206,25 +194,9 @@ class KVConnector:
     def held_leases(self) -> list[Lease]:  # copies (operator tooling, fault injection)
         return self._leases.held()
 
-    def _blocks_freed(self, lease: Lease, block_ids: list[int]) -> None:
-        try:
-            if block_ids:
-                self._on_blocks_freed(block_ids)
-            self._on_lease_ended(lease.label, lease.state)
-        except Exception:
-            log.exception("lease %s: the freed-blocks callback failed for %d blocks", lease.request_id, len(block_ids))
-
-    def _on_lease_state(self, lease: Lease) -> None:  # (under the lease table's lock)
-        if self._board is None:
-            return
-        if lease.state is p.LeaseState.HELD:
-            self._board.held(lease.lease_id, lease.prompt, lease.block_ids, lease.groups)
-        else:
-            self._board.ended(lease.lease_id)
-
     def _handle(self, msg: p.Request) -> p.Reply:
         """Side-channel requests, on the loop thread."""
-        return self._peer_info if isinstance(msg, p.Hello) else self._prefill.answer(msg)
+        return self._peer_info if isinstance(msg, p.Hello) else self._lender.answer(msg)
 
     # --- decode role -------------------------------------------------------------------------------
 
@@ -240,12 +212,12 @@ class KVConnector:
     ) -> PullHandle:
         """Start pulling `params.remote_block_ids` into `local_block_ids`; never blocks on the peer.
         InvalidRequestError (naming the field) when the params or ids are invalid: nothing is started.
-        `prompt_digest`: the digest of the prompt this decode serves; a lease bound to another prompt
-        refuses the read (LeaseLostError) and nothing of it is used. `driven`: the caller calls `drive()` right
-        after, which then starts the pull on its thread (the loop thread is not woken for it). `requested_s`: when
-        the caller was asked for the pull (`time.monotonic()`, default now): the pull's stats count from there.
-        `leased`: all the lease's blocks, when the params were cut to their tail (the caller's own prefix-cache hit);
-        a same-host decode checks the lease board against them (board.py)."""
+        `prompt_digest`: the digest of the prompt this decode serves; a lease bound to another prompt refuses
+        the read (LeaseLostError) and nothing of it is used. `driven`: the caller calls `drive()` right after,
+        which then starts the pull on its thread (the loop thread is not woken for it). `requested_s`: when
+        the caller was asked for the pull (`time.monotonic()`, default now): the pull's stats count from
+        there. `leased`: all the lease's blocks, when the params were cut to their tail (the caller's own
+        prefix-cache hit); a same-host decode checks the lease board against them (board.py)."""
         handle, start = self._decode.prepare(params, local_block_ids, request_id, prompt_digest, requested_s, leased)
         self._loop.call(start, driver=driven)
         return handle
@@ -280,7 +252,9 @@ class KVConnector:
             leases_held=leases.num_held,
             lease_blocks_held=leases.num_blocks_held,
             leases_ended={state.value: count for state, count in leases.counts.items()},
-            ipc_gather_unavailable=int(TransportKind.IPC.value in self._paths.problems),
+            ipc_gather_unavailable=int(
+                self._transports.status.get(TransportKind.IPC.value, READY).startswith("unavailable here")
+            ),
             unknown_lease_requests=c.unknown_lease_requests,
             claims_refused=self._decode.claims.refused,
         )
@@ -289,7 +263,7 @@ class KVConnector:
 
     def _tick(self) -> None:
         """Notifications, the pulls' progress and lease expiry (inside a loop tick: `loop.py`)."""
-        self._prefill.drain_notifs()
+        self._lender.drain_notifs()
         self._decode.progress()
         self._leases.expire()
 
@@ -325,10 +299,10 @@ class KVConnector:
         with self._loop.lock:  # (a driving thread may be in a tick)
             self._decode.close()
             self._server.close()
+            self._transports.close()
             self._agent.close()
             self._ctx.term()
-            if self._board is not None:
-                self._board.close()
+            self._lender.close()
         self._loop.close()
 
     def __enter__(self) -> KVConnector:

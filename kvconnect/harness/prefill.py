@@ -204,16 +204,16 @@ class _Server:
             return "ok", msgspec.to_builtins(stats)
         if cmd == "hold_pins":  # answer no PIN until "answer_pins" (tests of a decode waiting for the answer)
             self.pins_go = threading.Event()  # ("and_notifs": nor complete a lease by a READ's notification)
-            answer = conn._prefill.answer
+            answer = conn._lender.answer
             if args and args[0] == "and_notifs":
                 conn._agent.notifs = self._notifs_held(conn._agent.notifs, self.pins_go)
 
             def held(msg: Any) -> Any:  # (the tick waits here, still draining NIXL: a READ over UCX needs this side)
                 while getattr(msg, "action", None) is LeaseAction.PIN and not self.pins_go.wait(0.001):
-                    conn._prefill.drain_notifs()
+                    conn._lender.drain_notifs()
                 return answer(msg)
 
-            conn._prefill.answer = held
+            conn._lender.answer = held
             return "ok"
         if cmd == "answer_pins":
             self.pins_go.set()

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvconnect.core.decode.pull import PullStats
+from kvconnect.core.decode.handle import PullStats
 from kvconnect.core.errors import KVConnectError
 from kvconnect.core.snapshot import ConnectorSnapshot
 

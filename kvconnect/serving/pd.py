@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from kvconnect.core.config import FailurePolicy
 from kvconnect.core.connector import KVConnector
-from kvconnect.core.decode.pull import PullHandle
+from kvconnect.core.decode.handle import PullHandle
 from kvconnect.core.errors import InvalidRequestError, KVConnectError
 from kvconnect.core.plan.params import KVTransferParams
 from kvconnect.core.wire.lease_client import release_after_failure
@@ -139,7 +139,9 @@ class PullLoader:
             raise self._failed(e, quarantined=False) from None
         return self
 
-    def poll(self) -> bool | None:
+    def poll(self) -> bool:
+        """Whether the KV is loaded (False while in flight, or failed with blocks a READ may still write into);
+        raises the load's error once its blocks are safe."""
         assert self.handle is not None
         try:
             return self.handle.poll()
@@ -148,7 +150,7 @@ class PullLoader:
                 if not self.quarantined:
                     self.quarantined = True
                     self._failed(e, quarantined=True)
-                return None
+                return False
             if self.error is None:
                 self._failed(e, quarantined=False)
             assert self.error is not None

@@ -38,10 +38,10 @@ from kvconnect.vllm.compat import check_version, detect
 from kvconnect.vllm.groups import group_moves, state_layers
 from kvconnect.vllm.layout import cross_layer_views
 from kvconnect.vllm.metadata import StepOrders
-from kvconnect.vllm.scheduler import SchedulerSide
+from kvconnect.vllm.scheduler import KVConnectScheduler
 from kvconnect.vllm.settings import data_parallel_index, rank_config, read_settings, required_layout
 from kvconnect.vllm.stats import KVConnectPromMetrics, KVConnectStats
-from kvconnect.vllm.worker import WorkerSide
+from kvconnect.vllm.worker import KVConnectWorker
 
 if TYPE_CHECKING:  # vLLM's own types, for readers and mypy (never imported at run time: they move between releases)
     from vllm.config import VllmConfig
@@ -115,16 +115,16 @@ class KVConnectConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]  # (b
         _log_to_stderr()
         self._settings = read_settings(vllm_config)
         moves = group_moves(kv_cache_config)  # (ConfigError: a KV cache group the plug-in cannot move)
-        self._scheduler: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
+        self._scheduler: KVConnectScheduler | None = None
+        self._worker: KVConnectWorker | None = None
         if role is KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self._settings, moves)
+            self._scheduler = KVConnectScheduler(self._settings, moves)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank()
             model = vllm_config.model_config
-            self._worker = WorkerSide(
+            self._worker = KVConnectWorker(
                 rank_config(self._settings, rank, data_parallel_index(vllm_config.parallel_config)),
                 rank,
                 model.get_total_num_kv_heads(),  # (an MLA model's latent counts as one: layout.describe)
@@ -135,7 +135,7 @@ class KVConnectConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]  # (b
 
     # --- worker side -------------------------------------------------------------------------------
 
-    def _worker_side(self) -> WorkerSide:
+    def _worker_part(self) -> KVConnectWorker:
         assert self._worker is not None, "a worker hook was called on the scheduler's connector"
         return self._worker
 
@@ -146,7 +146,7 @@ class KVConnectConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]  # (b
         page = _page_format(self._vllm_config, first.dtype, self._model.get_head_size(), latent) + held
         num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else first.shape[0]
         try:
-            self._worker_side().register_kv_caches(
+            self._worker_part().register_kv_caches(
                 kv_caches, num_blocks, self._settings.block_size, self._settings.tp_size, page, latent, states
             )
         except LayoutError as e:
@@ -164,7 +164,7 @@ class KVConnectConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]  # (b
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, StepOrders):
-            self._worker_side().bind_connector_metadata(connector_metadata)
+            self._worker_part().bind_connector_metadata(connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         return None
@@ -181,23 +181,23 @@ class KVConnectConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]  # (b
         return None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving, _ = self._worker_side().transfer_results(finished_req_ids)
+        sending, recving, _ = self._worker_part().transfer_results(finished_req_ids)
         return sending or None, recving or None
 
     if API.transfer_results:  # vLLM 0.32+: sends, receives and failed receives in one report
 
         def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-            sending, recving, failed = self._worker_side().transfer_results(finished_req_ids)
+            sending, recving, failed = self._worker_part().transfer_results(finished_req_ids)
             return vllm_base.KVConnectorTransferResults(sending, recving, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker_side().get_block_ids_with_load_errors()
+        return self._worker_part().get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self) -> KVConnectStats | None:
         return self._worker.stats() if self._worker is not None else None
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        return self._worker_side().get_handshake_metadata()
+        return self._worker_part().get_handshake_metadata()
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -205,36 +205,36 @@ class KVConnectConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]  # (b
 
     # --- scheduler side ----------------------------------------------------------------------------
 
-    def _scheduler_side(self) -> SchedulerSide:
+    def _scheduler_part(self) -> KVConnectScheduler:
         assert self._scheduler is not None, "a scheduler hook was called on a worker's connector"
         return self._scheduler
 
     def on_new_request(self, request: Request) -> None:
-        self._scheduler_side().on_new_request(request)
+        self._scheduler_part().on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler_part().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
+        self._scheduler_part().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._scheduler_side().build_connector_meta(
+        return self._scheduler_part().build_connector_meta(
             int(getattr(scheduler_output, "total_num_scheduled_tokens", 1))
         )
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler_side().request_finished(request, (block_ids,))
+        return self._scheduler_part().request_finished(request, (block_ids,))
 
     if API.hma:  # one block list per KV cache group (groups.py)
 
         def request_finished_all_groups(
             self, request: Request, block_ids: tuple[list[int], ...]
         ) -> tuple[bool, dict[str, Any] | None]:
-            return self._scheduler_side().request_finished(request, block_ids)
+            return self._scheduler_part().request_finished(request, block_ids)
 
     def set_xfer_handshake_metadata(self, metadata: dict[Any, KVConnectorHandshakeMetadata]) -> None:
-        self._scheduler_side().set_xfer_handshake_metadata(metadata)
+        self._scheduler_part().set_xfer_handshake_metadata(metadata)
 
     # --- any process -------------------------------------------------------------------------------
 

@@ -29,8 +29,13 @@ from vllm.v1.request import RequestStatus
 
 from kvconnect.core.errors import InvalidRequestError
 from kvconnect.core.plan.groups import GroupedBlocks
-from kvconnect.core.plan.params import KVTransferParams, lease_params, parse_kv_transfer_params, prompt_digest
-from kvconnect.core.prefill.record import new_lease_id
+from kvconnect.core.plan.params import (
+    KVTransferParams,
+    lease_params,
+    new_lease_id,
+    parse_kv_transfer_params,
+    prompt_digest,
+)
 from kvconnect.vllm.groups import NULL_BLOCK_ID, GroupMove, backoff
 from kvconnect.vllm.metadata import LeaseOrder, PullOrder, StepOrders, WorkerHello
 from kvconnect.vllm.settings import VllmSettings
@@ -83,7 +88,7 @@ def _parsed(raw: dict[str, Any]) -> tuple[KVTransferParams | None, tuple[str, st
         return None, (e.field, e.reason)
 
 
-class SchedulerSide:
+class KVConnectScheduler:
     def __init__(
         self, settings: VllmSettings, moves: tuple[GroupMove, ...] = (GroupMove("FullAttentionSpec"),)
     ) -> None:
@@ -175,7 +180,7 @@ class SchedulerSide:
     def build_connector_meta(self, num_scheduled_tokens: int) -> StepOrders:
         orders, self._orders = self._orders, StepOrders()
         # (a step that only starts pulls is idle too: its workers then wait for them right away, instead of a
-        # step later, after a round of vLLM's own scheduling: ~1.5 ms of a pull's ~2 ms on the H200)
+        # step later, after a round of vLLM's own scheduling, which is most of a short pull's time)
         orders.idle = num_scheduled_tokens == 0
         return orders
 

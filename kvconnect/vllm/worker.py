@@ -32,7 +32,7 @@ import torch
 
 from kvconnect.core.config import ConnectorConfig
 from kvconnect.core.connector import KVConnector
-from kvconnect.core.decode.pull import PullHandle, PullStats
+from kvconnect.core.decode.handle import PullHandle, PullStats
 from kvconnect.core.errors import InvalidRequestError, KVConnectError
 from kvconnect.core.faults import FaultHooks
 from kvconnect.core.plan.groups import GroupedBlocks, tail_pairs
@@ -47,12 +47,12 @@ log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.005  # an idle step's wait for a lease or pull to end (it returns as soon as one does)
 DRIVE_EVERY_S = 0.0002  # ... during which it drives the connector this often; a GPU cache's pulls: tick after tick,
-# yielding the GIL between them (a 512 MiB gather takes ~0.3 ms on an H200, and a 0.2 ms poll added 0.1-0.3 ms to
-# its pull). Leases alone are never driven that way: a lease may be held for seconds, and a spinning engine thread
-# keeps the process's other threads from the GIL (when only the loop thread answered PINs, the decode waited
-# 0.4-0.6 ms more for them, on an H200 host); polled, the wait's own ticks answer a PIN within DRIVE_EVERY_S
+# yielding the GIL between them (a gather ends in well under a millisecond, and a coarser poll adds its own period
+# to the pull). Leases alone are never driven that way: a lease may be held for seconds, and a spinning engine
+# thread keeps the process's other threads (the loop thread answering PINs) from the GIL; polled, the wait's own
+# ticks answer a PIN within DRIVE_EVERY_S. What each choice measured: results/gpu/pin-trace/.
 ANSWER_WAIT_S = 0.0005  # ... while a decode's pulls wait only for the prefill's lease answers, it blocks on their
-# sockets this long at most (waking as one comes; spinning, it read an answer 0.25 ms after the prefill sent it)
+# sockets this long at most, waking as one comes (a spinning wait reads an answer later: results/gpu/pin-trace/)
 
 
 @dataclass
@@ -64,7 +64,7 @@ class _Load:
     requested_at: float = 0.0  # wall clock: the worker asked for the pull
 
 
-class WorkerSide:
+class KVConnectWorker:
     def __init__(
         self,
         config: ConnectorConfig,
@@ -259,7 +259,7 @@ class WorkerSide:
                 load.handle.cancel()  # vLLM finished it (abort): stop reading; report once its blocks are safe
             if load.handle is not None and load.error is None:
                 try:
-                    if load.handle.poll() is None:
+                    if not load.handle.poll():
                         continue
                 except KVConnectError as e:
                     self._failed(load, e)

@@ -1,10 +1,9 @@
-"""Decode side: params that disagree with a known peer are a claim, checked before anything is replaced.
+"""The decode half's claims: params that disagree with a known peer, checked before anything is replaced.
 
 A pull whose params name another incarnation, side-channel address or TP size than the known peer of its
-engine and rank claims that the prefill restarted or moved. Params come from a client, and one forged claim
-used to drop the peer and fail every pull it was serving. Now the claim gets a handshake of its own (over
-its own channel, authenticated like any other when a secret is set) and the known peer is left alone
-meanwhile:
+engine and rank claims that the prefill restarted or moved. Params come from a client, and a forged claim must
+not drop the peer and fail every pull it serves: the claim gets a handshake of its own (over its own channel,
+authenticated like any other when a secret is set) and the known peer is left alone meanwhile:
 
 - proven (the answer comes from that engine and rank, is the incarnation the params name, and runs the TP
   size they name): the known peer is replaced, as a restart or a move requires;

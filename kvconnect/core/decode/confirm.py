@@ -2,22 +2,22 @@
 
 Decode side, inside the connector's ticks. Two ways to know, per pull:
 
-- **pin** (`pin_reads`, the default): just before the transfer is posted, ask the prefill to keep the blocks for
-  this reader until it confirms (or until the pull's deadline). A HELD answer means no lease end can
-  free the blocks under the read, so a transfer that ends under a held pin succeeds at once; the
-  CONFIRM that follows only ends the pin (its answer is not awaited);
-- **confirm**: after the transfer, ask whether the lease was still held (or completed by our own
-  notification) when the read ended; only COMPLETED makes the pull usable.
+- **pin** (`pin_reads`, the default): just before the transfer is posted, ask the prefill to keep the blocks
+  for this reader until it confirms (or until the pull's deadline). A HELD answer means no lease end can free
+  the blocks under the read, so a transfer that ends under a held pin succeeds at once; the CONFIRM that
+  follows only ends the pin (its answer is not awaited);
+- **confirm**: after the transfer, ask whether the lease was still held (or completed by our own notification)
+  when the read ended; only COMPLETED makes the pull usable.
 
-A prefill that grants leases a little after their params leave (the vLLM plug-in grants on its next
-engine step) says so in its handshake (`PeerInfo.lease_grace_ms`); a PIN or CONFIRM it answers with
-"never seen" is then asked again, with backoff, until that grace or the pull's deadline ends. Such an
-engine holds the blocks from before the params leave, so a READ posted before the grant read the
-request's data; whether the lease held is still decided by the prefill's answer.
+A prefill that grants leases a little after their params leave (the vLLM plug-in grants on its next engine
+step) says so in its handshake (`PeerInfo.lease_grace_ms`); a PIN or CONFIRM it answers with "never seen" is
+then asked again, with backoff, until that grace or the pull's deadline ends. Such an engine holds the blocks
+from before the params leave, so a READ posted before the grant read the request's data; whether the lease
+held is still decided by the prefill's answer.
 
 A pin that was refused (the lease had ended, or named blocks it does not hold) fails the pull. Without
-`confirm_reads`, a transport whose transfer notifies the prefill by itself (NIXL) is trusted unasked;
-that is not fail-closed, and the worker warns at start when it is configured.
+`confirm_reads`, a transport whose transfer notifies the prefill by itself (NIXL) is trusted unasked; that is
+not fail-closed, and the worker warns at start when it is configured.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from collections.abc import Callable
 from kvconnect.core.board import binding
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig
+from kvconnect.core.decode.endings import Endings
 from kvconnect.core.decode.peers import Peer
 from kvconnect.core.decode.pull import PinState, Pull, PullPhase
 from kvconnect.core.digest import applies, block_sums, digest
@@ -46,31 +47,28 @@ from kvconnect.core.plan.hetero import Path
 from kvconnect.core.wire import lease_client
 from kvconnect.core.wire import protocol as p
 
-BLOCKS_REFUSED = "block_ids:"  # how the prefill's lease table starts a refusal of blocks it did not lease
-PROMPT_REFUSED = "prompt:"  # ... and of a reader serving another prompt (prefill/record.py: not imported here)
 ASK_AGAIN_S = (0.002, 0.05)  # first and longest wait before asking again about a lease not granted yet
 log = logging.getLogger(__name__)
 
 
 def refusal(pull: Pull, reply: p.LeaseReply) -> KVConnectError | None:
-    """The error a PIN or CONFIRM refused for the blocks it named means. It reads like any other lost lease
-    (LeaseLostError): whether the params named a live lease's other blocks is not for a client to learn."""
-    if reply.reason.startswith(BLOCKS_REFUSED):
-        return LeaseLostError(
-            f"pull {pull.handle.request_id}: the prefill refused kv_transfer_params."
-            f"remote_block_ids: {reply.reason.removeprefix(BLOCKS_REFUSED).strip()}"
-        )
-    if reply.reason.startswith(PROMPT_REFUSED):
-        return LeaseLostError(
-            f"pull {pull.handle.request_id}: the prefill refused the read: "
-            f"{reply.reason.removeprefix(PROMPT_REFUSED).strip()}; data discarded"
-        )
+    """The error a PIN or CONFIRM refused as a reader means (`LeaseReply.refusal`). It reads like any other lost
+    lease (LeaseLostError): whether the params named a live lease's other blocks is not for a client to learn.
+    """
+    rid = pull.handle.request_id
+    if reply.refusal is p.Refusal.BLOCKS:
+        return LeaseLostError(f"pull {rid}: the prefill refused kv_transfer_params.remote_block_ids ({reply.reason})")
+    if reply.refusal is p.Refusal.PROMPT:
+        return LeaseLostError(f"pull {rid}: the prefill refused the read: {reply.reason}; data discarded")
+    if reply.refusal is p.Refusal.TOKEN:
+        return LeaseLostError(f"pull {rid}: the prefill refused the read: {reply.reason}")
     return None
 
 
 def board_binding(pull: Pull) -> bytes:
-    """The binding (board.py) the lease this pull reads must show on the board: its id, this decode's prompt, and the
-    lease's blocks, of which the pull's must be the tail (b"": they are not, so the board cannot decide)."""
+    """The binding (board.py) the lease this pull reads must show on the board: its id, this decode's prompt, and
+    the lease's blocks, of which the pull's must be the tail (b"": they are not, so the board cannot decide).
+    """
     if pull.leased is None:
         return b""
     named = GroupedBlocks(pull.remote_block_ids, pull.group_sizes or (pull.remote_block_ids.size,))
@@ -80,8 +78,8 @@ def board_binding(pull: Pull) -> bytes:
 
 
 def on_board(peer: Peer, pull: Pull) -> bool:
-    """Whether the peer's lease board shows the lease this pull read held now, bound as `board_binding` says (worked
-    out while the transfer ran, by `LeaseConfirmation.posted`). Asked after the read has ended."""
+    """Whether the peer's lease board shows the lease this pull read held now, bound as `board_binding` says
+    (worked out while the transfer ran, by `LeaseConfirmation.posted`). Asked after the read has ended."""
     if peer.board is None:
         return False
     expected = pull.board_binding if pull.board_binding is not None else board_binding(pull)
@@ -94,19 +92,12 @@ def lease_problem(reply: p.LeaseReply) -> str:
 
 
 class LeaseConfirmation:
-    def __init__(
-        self,
-        config: ConnectorConfig,
-        cache: KVCache,
-        engine_id: str,
-        succeed: Callable[[Pull], None],
-        fail: Callable[[Pull, KVConnectError], None],
-    ) -> None:
+    def __init__(self, config: ConnectorConfig, cache: KVCache, engine_id: str, endings: Endings) -> None:
         self._config = config
         self._cache = cache
         self._engine_id = engine_id
-        self._succeed = succeed
-        self._fail = fail
+        self._succeed = endings.succeed
+        self._fail = endings.fail
         self._asking_again: list[Pull] = []  # pulls whose lease the prefill had not granted yet
 
     @property
@@ -117,13 +108,13 @@ class LeaseConfirmation:
     def needed(self, peer: Peer) -> bool:
         """Whether the prefill side is asked about the lease: always, unless `confirm_reads` is off and the
         transport itself tells the prefill that the read ended."""
-        assert peer.transport is not None
-        return self._config.confirm_reads or not peer.transport.notifies
+        assert peer.link is not None
+        return self._config.confirm_reads or not peer.link.notifies
 
     def pin(self, peer: Peer, pull: Pull) -> None:
         """The transfer is about to be posted: pin the lease for it if configured. Sent first, so that the
         answer's round trip overlaps the posting (a short transfer would otherwise end before it and wait);
-        a post that then fails drops the pin with the pull (`DecodeSide._fail`)."""
+        a post that then fails drops the pin with the pull (`endings.py`)."""
         if not (self.needed(peer) and self._config.pin_reads):
             return
         self._send_pin(peer, pull)
@@ -154,11 +145,10 @@ class LeaseConfirmation:
             pull.board_binding = board_binding(pull)
 
     def read_done(self, peer: Peer | None, pull: Pull) -> None:
-        """The transfer ended well (and staged data was placed): decide now, or once the pin is answered."""
+        """The transfer ended well and its data landed (CONFIRMING): decide now, or once the pin is answered."""
         if peer is not None and not self.needed(peer):
             self._succeed_checked(peer, pull)  # (the transfer's own notification ends the lease)
             return
-        pull.phase = PullPhase.CONFIRMING
         if pull.pin is PinState.SENT and peer is not None and on_board(peer, pull):
             pull.handle.stats.on_board = True  # (the PIN's answer, when it comes, finds the pull done)
             self._usable(peer, pull)
@@ -166,9 +156,9 @@ class LeaseConfirmation:
             self._decide(peer, pull)
 
     def answer_or_fail(self, peer: Peer, pull: Pull, reply: p.LeaseReply | HandshakeError) -> None:
-        """`answer`; a failure while handling it fails this pull alone, logged. (It used to leave the tick: the
-        replies that came in the same batch from that peer were lost, and their pulls waited for their deadline,
-        as if the prefill had never answered.)"""
+        """`answer`; a failure while handling it fails this pull alone, logged: it never leaves the tick, where
+        the rest of that peer's batch of replies would be lost and their pulls would wait for their deadline.
+        """
         try:
             self.answer(peer, pull, reply)
         except Exception as e:
@@ -274,7 +264,7 @@ class LeaseConfirmation:
         """Repeat the PINs and CONFIRMs that are due (loop tick)."""
         if not self._asking_again:
             return
-        live = [x for x in self._asking_again if x.phase not in (PullPhase.DONE, PullPhase.FAILED)]
+        live = [x for x in self._asking_again if not x.ended]
         self._asking_again = [x for x in live if x.ask_again_s > now]
         for pull in (x for x in live if x.ask_again_s <= now):
             peer = peer_of(pull)
@@ -311,9 +301,11 @@ class LeaseConfirmation:
         pull.handle.stats.confirm_s = time.monotonic() - pull.read_done_s
         try:
             self._succeed_checked(peer, pull)
-        finally:  # (whatever the success's callbacks do; a digest that did not match failed it, dropped the pin)
+        # whatever the success's callbacks do; a digest that did not match failed it, dropped the pin
+        finally:
             if pull.phase is PullPhase.DONE:
-                peer.channel.send(self._confirmation(pull))  # ends our pin and, for the last reader, the lease
+                # ends our pin and, for the last reader, the lease
+                peer.channel.send(self._confirmation(pull))
 
     def _confirmation(self, pull: Pull) -> p.LeaseRequest:
         assert pull.source is not None

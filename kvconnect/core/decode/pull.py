@@ -1,9 +1,10 @@
-"""One pull from request to usable blocks: phases, deadline, stats, and the caller's handle.
+"""One pull from request to usable blocks, as the connector's ticks hold it: its phase, deadline and lease state.
 
-The connector's ticks (on its loop thread, or on a thread driving it) own `Pull` objects and move them
-through `PullPhase`; callers on any thread hold a `PullHandle` and either poll it or wait on it. A pull
-reaches exactly one terminal phase, and only DONE means the bytes in the local blocks are the remote
-ones, read while the remote lease was held.
+The ticks (on the loop thread, or on a thread driving it) own `Pull` objects and move them through
+`PullPhase`, only by `Pull.enter` (the transitions it allows are `NEXT`); callers on any thread hold the
+pull's `PullHandle` (`handle.py`). A pull reaches exactly one terminal phase, and only DONE means the bytes in
+the local blocks are the remote ones, read while the remote lease was held. A request read from several
+prefill ranks (heterogeneous TP) runs as one pull per rank, joined by a `PullGroup`.
 """
 
 from __future__ import annotations
@@ -12,21 +13,19 @@ import dataclasses
 import enum
 import logging
 import secrets
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import msgspec
 import numpy as np
 
-from kvconnect.core.agent import XferState
-from kvconnect.core.errors import KVConnectError, PeerGoneError, TransferTimeoutError
+from kvconnect.core.decode.handle import PullHandle
+from kvconnect.core.errors import KVConnectError
 from kvconnect.core.plan.groups import GroupedBlocks
 from kvconnect.core.plan.hetero import Source
 from kvconnect.core.plan.layout import CacheSpec
 from kvconnect.core.plan.params import KVTransferParams, validated_pull
-from kvconnect.core.transports.base import Posted
+from kvconnect.core.transports.base import Move
 from kvconnect.core.wire.logs import loggable
 from kvconnect.core.wire.protocol import encode_notif
 
@@ -35,11 +34,21 @@ BlockIds = Sequence[int] | np.ndarray  # block ids as a caller gives them (check
 
 
 class PullPhase(str, enum.Enum):
-    WAIT_PEER = "wait_peer"  # handshake with the remote engine in progress
-    POSTED = "posted"  # READ in flight
-    CONFIRMING = "confirming"  # data here; asking the prefill side whether its lease held
+    WAIT_PEER = "wait_peer"  # waiting for its peer's handshake, or for room on its peer's link
+    POSTED = "posted"  # its transfer in flight
+    CONFIRMING = "confirming"  # data here; the prefill's lease must be shown to have held through the read
     DONE = "done"
     FAILED = "failed"
+
+
+ENDED = (PullPhase.DONE, PullPhase.FAILED)
+NEXT = {  # the phases a pull may enter from each phase
+    PullPhase.WAIT_PEER: (PullPhase.POSTED, *ENDED),
+    PullPhase.POSTED: (PullPhase.CONFIRMING, *ENDED),
+    PullPhase.CONFIRMING: ENDED,
+    PullPhase.DONE: (),
+    PullPhase.FAILED: (),
+}
 
 
 class PinState(str, enum.Enum):
@@ -49,95 +58,6 @@ class PinState(str, enum.Enum):
     SENT = "sent"  # asked, no answer yet
     HELD = "held"  # the prefill keeps the blocks until we confirm
     LOST = "lost"  # refused, or the lease had ended: `Pull.pin_error` says how
-
-
-class PullStats(msgspec.Struct):
-    """What one pull moved and how long each part took (seconds)."""
-
-    request_id: str
-    remote_engine_id: str
-    num_blocks: int = 0
-    bytes: int = 0
-    num_descs: int = 0
-    num_descs_merged: int = 0
-    granularity: str = ""
-    handshake_s: float = 0.0  # first contact only: metadata fetch + remote agent + list preparation
-    post_s: float = 0.0  # plan + make_prepped_xfer + transfer() on the loop thread
-    transfer_s: float = 0.0  # posted -> READ complete
-    confirm_s: float = 0.0
-    total_s: float = 0.0  # pull requested -> blocks usable
-    transport: str = ""  # "nixl" or "ipc"
-    validate_s: float = 0.0  # the part of post_s spent checking block ids
-    pin_s: float = 0.0  # the part of post_s spent sending the PIN (0: none sent)
-    launch_s: float = 0.0  # the part of post_s inside the transport's post (the READ or the gather launch)
-    pin_rtt_s: float = 0.0  # the PIN sent -> its answer here (0: none answered)
-    queued_s: float = 0.0  # pull() returned -> the loop thread picked the pull up
-    path: str = ""  # "block", "direct" or "staging" (hetero.py); "+"-joined over several sources
-    num_sources: int = 1  # prefill ranks read (heterogeneous TP)
-    scatter_s: float = 0.0  # staging path: staging -> decode cache on the device
-    digest_s: float = 0.0  # kv_digest: summing the pulled blocks on this side (0: not checked)
-    after_read_s: float = 0.0  # the transfer ended -> usable: the lease's answer, the digest (0: no transfer ended)
-    on_board: bool = False  # usable once the prefill's lease board showed the lease held, before the PIN's answer
-    num_descs_issued: int = 0  # descriptors NIXL reported issuing (0 unless the `telemetry` setting is on)
-
-    @property
-    def gbps(self) -> float:
-        span = self.transfer_s + self.post_s
-        return self.bytes / span / 1e9 if span > 0 else 0.0
-
-
-class PullHandle:
-    """The caller's view of a pull; thread-safe."""
-
-    def __init__(self, request_id: str, remote_engine_id: str) -> None:
-        self.request_id = request_id
-        self.stats = PullStats(request_id, remote_engine_id)
-        self._event = threading.Event()
-        self._error: KVConnectError | None = None
-        self._unsettled = False  # an abandoned READ may still land (`AbandonedReads`); polled, never waited on
-        self._cancel = False
-        self.parts: list[PullHandle] = []  # one per source rank when several are read
-
-    @property
-    def cancel_requested(self) -> bool:
-        return self._cancel
-
-    def done(self) -> bool:
-        return self._event.is_set()
-
-    def poll(self) -> bool | None:
-        """None while in flight, True when the blocks are usable; raises the pull's error."""
-        if not self._event.is_set():
-            return None
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def wait(self, timeout_s: float | None = None) -> PullStats:
-        if not self._event.wait(timeout_s):
-            raise TransferTimeoutError(f"pull {self.request_id}: caller gave up after {timeout_s}s")
-        if self._error is not None:
-            raise self._error
-        return self.stats
-
-    @property
-    def error(self) -> KVConnectError | None:
-        return self._error
-
-    def cancel(self) -> None:
-        """Ask the loop to abandon the pull (its blocks must not be used)."""
-        self._cancel = True
-        for part in self.parts:
-            part.cancel()
-
-    def settled(self) -> bool:
-        """False while an abandoned READ may still write into the local blocks: a failed pull's blocks
-        may be reused (freed, recomputed into) only once this is True. See `AbandonedReads`."""
-        return not self._unsettled and all(part.settled() for part in self.parts)
-
-    def _finish(self, error: KVConnectError | None) -> None:
-        self._error = error
-        self._event.set()
 
 
 @dataclass
@@ -156,15 +76,13 @@ class Pull:
     requested_s: float
     deadline_s: float
     phase: PullPhase = PullPhase.WAIT_PEER
-    posted: Posted | None = None  # the transfer in flight (the transport's handle)
+    move: Move | None = None  # its transfer through its peer's link (transports/base.py), once prepared
     posted_s: float = 0.0
     read_done_s: float = 0.0
     remote_tp: int = 1
     num_tokens: int | None = None  # tokens the blocks hold, when the prefill said (block-size conversion)
     source: Source | None = None  # the prefill rank and heads this pull reads (set by the decode side)
     group: PullGroup | None = None  # the request this pull is one source of
-    staging_ids: list[int] | None = None  # staging blocks the READ lands in (staging path)
-    on_settled: Callable[[], None] | None = None  # runs once no READ can write into this pull's blocks
     pin: PinState = PinState.NONE
     pin_error: str = ""  # PinState.LOST: the refusal, or the state the lease had ended in
     pin_until_s: float = 0.0  # our (conservative) end of the pin
@@ -174,11 +92,16 @@ class Pull:
     # this pull's own claim on the lease (lease.py): a replay of the same params by another pull has another
     read_token: bytes = field(default_factory=lambda: secrets.token_bytes(16))
     remote_digest: bytes = b""  # the prefill's digest of the blocks read, from its lease answer (kv_digest)
-    prompt_digest: bytes = b""  # the prompt this decode serves (`params.prompt_digest`): a bound lease checks it
-    pin_sent_s: float = 0.0  # when the PIN left: the prefill's pin lasts at least its granted length from then
-    group_sizes: tuple[int, ...] = ()  # blocks per KV cache group of a hybrid model (plan/groups.py); (n,): one
-    leased: GroupedBlocks | None = None  # all the lease's blocks, these being their tail (the lease board's binding)
-    board_binding: bytes | None = None  # what the board must show for its lease (confirm.py; None: not worked out)
+    # the prompt this decode serves (`params.prompt_digest`): a bound lease checks it
+    prompt_digest: bytes = b""
+    # when the PIN left: the prefill's pin lasts at least its granted length from then
+    pin_sent_s: float = 0.0
+    # blocks per KV cache group of a hybrid model (plan/groups.py); (n,): one
+    group_sizes: tuple[int, ...] = ()
+    # all the lease's blocks, these being their tail (the lease board's binding)
+    leased: GroupedBlocks | None = None
+    # what the board must show for its lease (confirm.py; None: not worked out)
+    board_binding: bytes | None = None
 
     def notif(self, incarnation_id: str) -> bytes:
         """The notification this pull's READ carries to the prefill (it completes the lease for this reader)."""
@@ -201,11 +124,14 @@ class Pull:
         who = f"pull {loggable(self.handle.request_id)} from {loggable(self.remote_engine_id)}"
         return f"{who} failed: {loggable(error, 400)}{where}"
 
-    def run_on_settled(self) -> None:
-        """Run the `on_settled` hook once: no READ can write into this pull's blocks any more."""
-        hook, self.on_settled = self.on_settled, None
-        if hook is not None:
-            hook()
+    def enter(self, phase: PullPhase) -> None:
+        """Move to `phase`: the one place a pull's phase changes (AssertionError for a transition `NEXT` lacks)."""
+        assert phase in NEXT[self.phase], f"pull {self.handle.request_id}: {self.phase.value} -> {phase.value}"
+        self.phase = phase
+
+    @property
+    def ended(self) -> bool:
+        return self.phase in ENDED
 
     @property
     def peer_key(self) -> str:
@@ -225,8 +151,9 @@ class Pull:
         leased: GroupedBlocks | None = None,
     ) -> Pull:
         """Validate a pull request (any thread); InvalidRequestError names the field, nothing is posted.
-        `requested_s`: when the caller asked for it (monotonic; default now), where its timeline starts. `leased`:
-        the lease's blocks when the params name only their tail (default: the params name them all)."""
+        `requested_s`: when the caller asked for it (monotonic; default now), where its timeline starts.
+        `leased`: the lease's blocks when the params name only their tail (default: the params name them all).
+        """
         target = validated_pull(params, local_block_ids, spec.num_blocks, spec.model_kv_heads)
         now = time.monotonic() if requested_s is None else requested_s
         return cls(
@@ -274,7 +201,7 @@ class Pull:
 
     def finish(self, error: KVConnectError | None) -> None:
         now = time.monotonic()
-        self.phase = PullPhase.FAILED if error else PullPhase.DONE
+        self.enter(PullPhase.FAILED if error else PullPhase.DONE)
         self.handle.stats.total_s = now - self.requested_s
         if self.read_done_s:
             self.handle.stats.after_read_s = now - self.read_done_s
@@ -309,74 +236,3 @@ class PullGroup:
         stats.num_blocks = len(self.parent.local_block_ids)
         self.parent.finish(error)
         return True
-
-
-class AbandonedReads:
-    """Transfers given up on (deadline, cancellation, peer dropped) that may still write into their blocks.
-
-    NIXL cannot cancel a posted READ: over UCX/TCP a hung peer that resumes still delivers the data,
-    after `release_xfer_handle` and even after `remove_remote_agent` (probed; see tests/test_faults.py).
-    So an abandoned transfer keeps its handle and is polled until it ends (done, error, or the peer is
-    gone); until then its `PullHandle.settled()` is False and the owner must not reuse the blocks.
-    """
-
-    def __init__(self) -> None:
-        self._pulls: list[tuple[Pull, str]] = []
-
-    def add(self, pull: Pull, agent_name: str) -> None:
-        if pull.posted is None:
-            return
-        pull.handle._unsettled = True
-        self._pulls.append((pull, agent_name))
-
-    def __len__(self) -> int:
-        return len(self._pulls)
-
-    def uses(self, agent_name: str) -> bool:
-        return any(name == agent_name for _, name in self._pulls)
-
-    @property
-    def num_blocks(self) -> int:
-        return sum(len(pull.local_block_ids) for pull, _ in list(self._pulls))  # (read from any thread)
-
-    def poll(self) -> None:
-        for item in list(self._pulls):
-            pull = item[0]
-            assert pull.posted is not None
-            try:
-                state = pull.posted.state()
-            except PeerGoneError:
-                state = XferState.ERR  # the connection is gone: nothing more can land
-            except KVConnectError as e:
-                log.warning(
-                    "abandoned pull %s: cannot poll its transfer (%s); treating it as ended", pull.handle.request_id, e
-                )
-                state = XferState.ERR
-            if state is XferState.PROC:
-                continue
-            self._pulls.remove(item)
-            _settle(pull)
-            log.info(
-                "abandoned pull %s: its transfer ended (%s); %d local blocks are safe again",
-                pull.handle.request_id,
-                state.value,
-                len(pull.local_block_ids),
-            )
-
-    def close(self) -> None:
-        for pull, _ in self._pulls:
-            _settle(pull)
-        self._pulls.clear()
-
-
-def release_posted(pull: Pull) -> None:
-    """Free the pull's transfer handle, if it still has one."""
-    if pull.posted is not None:
-        pull.posted.release()
-        pull.posted = None
-
-
-def _settle(pull: Pull) -> None:
-    release_posted(pull)
-    pull.handle._unsettled = False
-    pull.run_on_settled()

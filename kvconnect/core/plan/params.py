@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ PULL_FIELDS = (
 )
 MAX_TP_SIZE = 64  # a client-sent tp_size above this is refused before any peer is dialled (one per rank)
 MAX_ID_CHARS = 256  # remote_request_id / remote_lease_id / remote_engine_id: ids, not payloads
+LEASE_ID_BYTES = 18  # random bytes in a lease id (24 url-safe characters)
 MAX_REMOTE_BLOCK_ID = 2**62  # remote ids are bounded by the remote spec at planning; this only keeps int64 sane
 _PRINTABLE = re.compile(r"[\x20-\x7e]*")  # printable ASCII, spaces included
 _TOKEN = re.compile(r"[\x21-\x7e]*")  # ... and without spaces
@@ -85,6 +87,11 @@ def prompt_digest(token_ids: Sequence[int] | np.ndarray, cache_salt: str | None 
     h.update(salt)
     h.update(np.asarray(token_ids, dtype="<i8").tobytes())
     return h.digest()
+
+
+def new_lease_id() -> str:
+    """A fresh, unguessable lease id (`remote_lease_id`; the ranks of a TP group share one)."""
+    return secrets.token_urlsafe(LEASE_ID_BYTES)
 
 
 def lease_params(

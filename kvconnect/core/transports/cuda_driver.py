@@ -107,9 +107,9 @@ class GraphSlots:
     """Per ring slot of the gather: the upload of its id words (pinned host -> device), the replay of its
     captured gather graph, and an event after them, all on one stream, posted with three driver calls.
 
-    torch's wrappers for the same (a stream context, a tensor slice's copy, a graph replay, an event record)
-    are a few microseconds each in a quiet process, and measured 0.22-0.39 ms together on the engine thread
-    of a vLLM decode (an H200 host): that is the post's critical path, so it goes around them."""
+    torch's wrappers for the same (a stream context, a tensor slice's copy, a graph replay, an event record) are a
+    few microseconds each in a quiet process but far more on a busy vLLM engine thread, the post's critical path,
+    so it goes around them (benchmarks/ipc_post_steps.py measures both)."""
 
     def __init__(self, stream: int, execs: list[int], uploads: list[tuple[int, int]]) -> None:
         """`stream`: a raw CUstream; per slot, its instantiated graph (CUgraphExec) and (device, host) addresses

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from kvconnect.core.agent import XferState
+from kvconnect.core.agent import NixlAgent, XferState
 from kvconnect.core.plan.descriptors import PairPlan, PullPlan
 from kvconnect.core.plan.hetero import Path, SourcePlan
-from kvconnect.core.transports.base import Posted, Transport, TransportKind
+from kvconnect.core.transports.base import Link, Move, Transport, TransportKind
 from kvconnect.core.transports.cuda_driver import GraphSlots, MappedPeer, PeerCopyError, export_region
 
 if TYPE_CHECKING:
@@ -270,11 +270,18 @@ def _kernel() -> Any:
     return gather_blocks
 
 
-class _PostedGather(Posted):
+class IpcMove(Move):
+    """One pull as one gather."""
+
     abandonable = False  # a local kernel: it always finishes, so it is waited for, never given up
 
-    def __init__(self, event: Any) -> None:
-        self._event = event
+    def __init__(self, gather: IpcGather, pair: PairPlan, local_ids: np.ndarray, remote_ids: np.ndarray) -> None:
+        self._gather, self._pair, self.local_ids, self.remote_ids = gather, pair, local_ids, remote_ids
+        self._event: Any = None
+
+    def post(self, notif: bytes) -> tuple[XferState, PullPlan]:
+        self._event = self._gather.post(self.local_ids, self.remote_ids)  # launch first: the plan is bookkeeping
+        return XferState.PROC, self._pair.summary(int(self.local_ids.size))
 
     def state(self) -> XferState:
         return XferState.DONE if self._event.query() else XferState.PROC
@@ -283,36 +290,44 @@ class _PostedGather(Posted):
         self._event = None
 
 
-class IpcTransport(Transport):
-    """A same-host GPU peer's pulls as gathers; no notification (the confirmation ends the lease)."""
+class IpcLink(Link):
+    def __init__(self, gather: IpcGather, pair: PairPlan) -> None:
+        self._gather, self._pair = gather, pair
 
-    kind = TransportKind.IPC
+    def prepare(self, local_ids: np.ndarray, remote_ids: np.ndarray, num_tokens: int | None) -> IpcMove:
+        local, remote = self._pair.bounds_checked(local_ids, remote_ids)  # one kernel: issue order is irrelevant
+        return IpcMove(self._gather, self._pair, local, remote)
+
+    def close(self) -> None:
+        self._gather.close()
+
+
+class IpcTransport(Transport):
+    """Same-host GPU peers' pulls as gathers; no notification (the confirmation ends the lease)."""
+
+    kind = TransportKind.IPC.value
     notifies = False
 
-    def __init__(self, gather: IpcGather, pair: PairPlan) -> None:
-        self._gather = gather
-        self._pair = pair
-
-    # --- the path's halves (base.Transport) ---------------------------------------------------------
+    def __init__(self) -> None:
+        self._cache: KVCache | None = None
 
     @classmethod
     def applies(cls, cache: KVCache) -> bool:
         return cache.spec.device == "cuda"
 
-    @classmethod
-    def warm_up(cls, cache: KVCache) -> None:
+    def start(self, cache: KVCache, agent: NixlAgent) -> bytes:
         try:
             warm_up(cache.regions[0].device)
         except Exception as e:  # Triton needs a C compiler and Python headers at first use
             raise PeerCopyError(f"{type(e).__name__}: {e}"[:300]) from e
-
-    @classmethod
-    def offer(cls, cache: KVCache) -> bytes:
+        self._cache = cache
         exported = [export_region(addr) for addr in cache.base_addrs()]
         return msgspec.msgpack.encode(IpcOffer(host_id(), [h for h, _ in exported], [o for _, o in exported]))
 
-    @classmethod
-    def open(cls, offer: bytes, info: PeerInfo, plan: SourcePlan, cache: KVCache) -> IpcTransport:
+    def open(self, offer: bytes, info: PeerInfo, plan: SourcePlan) -> IpcLink:
+        assert self._cache is not None, "IpcTransport.open before start"
+        if not offer:
+            raise PeerCopyError("not offered by the peer")
         if info.spec.device != "cuda":
             raise PeerCopyError("the peer's cache is not on a GPU")
         if plan.path is not Path.BLOCK:
@@ -323,16 +338,4 @@ class IpcTransport(Transport):
             raise PeerCopyError(f"malformed IPC offer: {e}") from e
         if len(decoded.handles) != len(info.base_addrs) or len(decoded.offsets) != len(decoded.handles):
             raise PeerCopyError(f"IPC offer names {len(decoded.handles)} regions, the peer has {len(info.base_addrs)}")
-        return cls(IpcGather.open(decoded, plan.pair, cache), plan.pair)
-
-    def order(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return self._pair.bounds_checked(local_ids, remote_ids)  # one kernel: issue order is irrelevant
-
-    def post(
-        self, local_ids: np.ndarray, remote_ids: np.ndarray, num_tokens: int | None, notif: bytes
-    ) -> tuple[Posted, XferState, PullPlan]:
-        event = self._gather.post(local_ids, remote_ids)  # launch first: the plan is only bookkeeping here
-        return _PostedGather(event), XferState.PROC, self._pair.summary(int(local_ids.size))
-
-    def close(self) -> None:
-        self._gather.close()
+        return IpcLink(IpcGather.open(decoded, plan.pair, self._cache), plan.pair)

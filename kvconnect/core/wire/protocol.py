@@ -27,7 +27,7 @@ from kvconnect.core.plan.layout import CacheSpec
 # id and every PIN, CONFIRM, RELEASE and notification carrying its reader's read token; 3: the KV digest;
 # 4: a handshake answer carries each transport's offer (`PeerInfo.offers`) instead of IPC fields of its own;
 # leases bound to their prompt (`prompt_digest`), and a PIN's answer says how long the pin lasts (`pin_ms`)
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a reply: agent metadata is the largest part (tens of KiB)
 # a request (Hello, LeaseRequest) is bytes to KiB; 256 KiB holds ~87,000 block ids. A side-channel server drops
 # a connection announcing a larger frame at once, before authentication: ZMQ allocates a frame's announced
@@ -49,6 +49,15 @@ class LeaseState(str, enum.Enum):
     EXPIRED = "expired"  # TTL ran out: blocks went back to the allocator and may hold other data now
     UNKNOWN = "unknown"  # never seen, or forgotten
     CONSUMED = "consumed"  # another reader's: its slot was claimed by another read token, or it completed for one
+
+
+class Refusal(str, enum.Enum):
+    """Why a lease request was refused as a reader (`LeaseReply.refusal`; its `reason` says it in words)."""
+
+    NONE = ""  # not refused for what it named (the state says the rest)
+    BLOCKS = "blocks"  # it named blocks the lease does not hold (or not as their tail)
+    PROMPT = "prompt"  # the lease holds another prompt's KV
+    TOKEN = "read_token"  # a PIN or CONFIRM without a read token
 
 
 class LeaseAction(str, enum.Enum):
@@ -120,6 +129,7 @@ class LeaseReply(msgspec.Struct, tag="lease_reply"):
     seq: int = 0  # the request's `seq`
     kv_digest: bytes = b""  # a held or completed lease's digest of the blocks named (kv_digest; digest.py)
     pin_ms: int = 0  # a PIN answered HELD: how long the prefill keeps it, from when it got the PIN (capped by its TTL)
+    refusal: Refusal = Refusal.NONE  # refused as a reader: for what (`reason` in words)
 
 
 class ErrorReply(msgspec.Struct, tag="error"):

@@ -1,16 +1,15 @@
-"""The staging path: a cache shaped like the remote one, its block pool, and the scatter into ours.
+"""The staging path of NIXL's READ: a cache shaped like the remote one, its block pool, and the scatter into
+ours.
 
 Whole remote blocks are read block for block into staging blocks (few, large descriptors); `scatter` then
-moves the request's tokens and head slice into the decode cache on the cache's device, converting block
-size and NHD/HND on the way. Staging blocks go back to the pool only when no READ can still write into
-them (the decode side frees them when a pull settles).
+moves the request's tokens and head slice into the decode cache on the cache's device, converting block size
+and NHD/HND on the way. Staging blocks go back to the pool only when no READ can still write into them (the
+move that reserved them gives them back when it settles: `nixl_read.py`).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,9 +17,6 @@ import torch
 from kvconnect.core.cache import KVCache
 from kvconnect.core.errors import InvalidRequestError
 from kvconnect.core.plan.layout import CacheSpec, LayoutKind
-
-if TYPE_CHECKING:
-    from kvconnect.core.decode.pull import Pull
 
 
 class StagingPool:
@@ -103,32 +99,3 @@ def scatter(
         pairs = list(zip(_layer_views(src), _layer_views(dst), strict=True))
     for s_view, d_view in pairs:
         d_view[d_blk, d_slot, :, :, d_lo : d_lo + width] = s_view[s_blk, s_slot, :, :, s_lo : s_lo + width]
-
-
-def reserve(pool: StagingPool, pull: Pull) -> bool:
-    """Staging blocks for the pull's remote blocks (False: none free now, wait); InvalidRequestError if it
-    can never fit. They go back to the pool when the pull settles (no READ can write into them any more)."""
-    ids = pool.alloc(len(pull.remote_block_ids))
-    if ids is None:
-        return False
-    pull.staging_ids = ids
-
-    def free() -> None:
-        if pull.staging_ids is not None:
-            pool.free(pull.staging_ids)
-            pull.staging_ids = None
-
-    pull.on_settled = free
-    return True
-
-
-def place(pool: StagingPool, cache: KVCache, pull: Pull) -> float:
-    """Move a staged pull's tokens and heads into `cache` (synchronised), then free its staging blocks;
-    returns the seconds it took."""
-    assert pull.staging_ids is not None and pull.num_tokens is not None and pull.source is not None
-    t0 = time.monotonic()
-    scatter(pool.cache, pull.staging_ids, cache, pull.local_block_ids, pull.num_tokens, pull.source.heads)
-    if cache.spec.device == "cuda":
-        torch.cuda.current_stream(cache.regions[0].device).synchronize()
-    pull.run_on_settled()
-    return time.monotonic() - t0
