@@ -3,12 +3,15 @@
     python3 scripts/results_derived.py serve results/gpu/serve/run9 > results/gpu/serve/run9/derived.txt
     python3 scripts/results_derived.py h2h results/gpu/h2h-fair/run* > results/gpu/h2h-fair/derived.txt
     python3 scripts/results_derived.py mla results/gpu/mla/pd-mla-*.json > results/gpu/mla/derived.txt
+    python3 scripts/results_derived.py hetero results/gpu/h200-pair-hetero/h200-8b-hetero*.txt \
+        > results/gpu/h200-pair-hetero/derived.txt
 
 serve: per cell and target of a `vllm bench serve` run (its `runs/*.json`), the mean number of requests in flight
 (Little's law: completed requests per second x mean end-to-end latency) and the ITL median against plain vLLM's.
 h2h: per head-to-head run, which answer made each kvconnect pull usable (the lease board or the PIN's answer; the
 decode's DEBUG timeline lines, in request order after the warm-up pulls), and NixlConnector's transfer medians.
 mla: the decode's digest time and pull time as its /metrics summed them over every pull, the first one included.
+hetero: per direct row of a `kvconnect bench` table, the posting time per descriptor.
 """
 
 from __future__ import annotations
@@ -81,6 +84,22 @@ def mla(files: list[Path]) -> None:
         )
 
 
+def hetero(files: list[Path]) -> None:
+    print("# per direct row (forced: direct!): post ms / descriptors, in us")
+    for f in files:
+        for row in f.read_text().splitlines():
+            cols = row.split()
+            if len(cols) > 15 and cols[4].startswith("direct"):
+                descs, post_ms = int(cols[12]), float(cols[14])
+                each_us = post_ms * 1000 / descs
+                print(f"{f.name}: {' '.join(cols[1:5])}: {descs} descriptors, post {post_ms} ms, {each_us:.2f} us each")
+
+
 if __name__ == "__main__":
     kind, args = sys.argv[1], [Path(a) for a in sys.argv[2:]]
-    {"serve": lambda: serve(args[0]), "h2h": lambda: h2h(args), "mla": lambda: mla(args)}[kind]()
+    {
+        "serve": lambda: serve(args[0]),
+        "h2h": lambda: h2h(args),
+        "mla": lambda: mla(args),
+        "hetero": lambda: hetero(args),
+    }[kind]()
