@@ -8,7 +8,7 @@ tests/data/llm-d/facts.json, each recorded with its upstream commit).
 - The P/D sidecar: llm-d-router's published image at a release whose flags are recorded, given only flags that
   release parses (the sidecar exits on any other), in front of the decode's vLLM as llm-d runs it, TLS off.
 - vLLM: the plug-in, llm-d's parallelism, block size, probes, graceful shutdown, /dev/shm, keep-alive, USER for
-  vLLM 0.26-0.27, `kv_load_failure_policy: fail` on the decode, NixlConnector's side-channel port.
+  vLLM from 0.20 on (torch 2.11), `kv_load_failure_policy: fail` on the decode, NixlConnector's side-channel port.
 - The DisaggregatedSet runs exactly the Deployment form's pods, rolled out as llm-d rolls them.
 """
 
@@ -170,7 +170,7 @@ def test_vllm_runs_the_plugin_with_llm_ds_engine_settings(form: str) -> None:
         (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
         assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": fact("guide.shm")}
         assert env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] == fact("guide.keep-alive")["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]
-        # vLLM 0.26-0.27 stop under a uid with no passwd entry unless USER (or LOGNAME) names a user
+        # vLLM on torch 2.11 stops under a uid with no passwd entry unless USER (or LOGNAME) names a user
         uid = pod["securityContext"]["runAsUser"]
         assert uid != 0 and set(fact("guide.user-env")) <= set(env) and env["USER"] and env["LOGNAME"], role
         assert env["UCX_TLS"] == "all", "UCX picks RDMA where the pod has it, as llm-d leaves it"
