@@ -71,7 +71,7 @@ def vllm_plugin_exposition() -> dict[str, set[str]]:
 
 def serve_exposition() -> dict[str, set[str]]:
     """What a `kvconnect serve` worker exports (its own registry; a snapshot and one pull of each outcome)."""
-    from kvconnect.core.decode.pull import PullStats
+    from kvconnect.core.decode.handle import PullStats
     from kvconnect.core.errors import TransferError
     from kvconnect.core.snapshot import ConnectorSnapshot
     from kvconnect.serving.metrics import WorkerMetrics

@@ -35,6 +35,8 @@ UNMARKED_X = re.compile(r"(?<![\w.])\d+(?:\.\d+)?x(?!\w)")
 NOT_MEASURED = {  # bounds the code sets, not results: (page, the phrase)
     ("docs/vllm.md", "up to 5 ms each time"),  # Python's default thread switch interval
     ("docs/vllm.md", "waits up to 5 ms for a pull"),  # the plug-in's idle wait
+    ("docs/operations.md", "more than 5 % of its pulls"),  # alert thresholds (deploy/components/monitoring)
+    ("docs/operations.md", "more than 10 % of a prefill's ended leases"),
 }
 
 
