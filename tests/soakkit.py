@@ -40,7 +40,18 @@ def zmtp_greeting() -> bytes:
 class MoreAttacks:
     """A thread per attack above, each every 0.1 s, until stopped."""
 
-    KINDS = ("swap", "incarnation", "engine_flood", "leg_only")
+    KINDS = ("swap", "incarnation", "engine_flood", "leg_only", "forged_params")
+    # signed fields a forger changes (or the signature dropped): the decode must refuse every one before it dials
+    FORGERIES: tuple[tuple[str, Callable[[dict[str, Any]], Any]], ...] = (
+        ("remote_block_ids", lambda p: [b + 1 for b in p["remote_block_ids"]]),
+        ("remote_lease_id", lambda p: "x" + p["remote_lease_id"][1:]),
+        ("remote_host", lambda p: "localhost"),
+        ("remote_expires_ms", lambda p: p["remote_expires_ms"] + 3_600_000),
+        ("remote_prompt_digest", lambda p: "0" * 32),
+        ("remote_engine_id", lambda p: "forged-" + p["remote_engine_id"]),
+        ("remote_key_id", lambda p: "00000000"),
+        ("remote_mac", lambda p: None),
+    )
 
     def __init__(
         self,
@@ -97,6 +108,15 @@ class MoreAttacks:
         else:
             self.counts[f"{what}_refused"] += 1
 
+    def _forged(self, name: str, k: int, params: dict[str, Any], field: str) -> None:
+        """Params with one signed field forged: refused by name (a 400), never answered."""
+        body = {"prompt": self.prompts[k], "max_tokens": self.max_tokens(k), "kv_transfer_params": params}
+        r = httpx.post(self.urls[name] + "/v1/completions", json=body, timeout=60)
+        if r.status_code == 400 and "kv_transfer_params.remote_" in r.text:
+            self.counts["forged_params_refused"] += 1
+        else:
+            self.bad.append(f"params forged in {field} at {name}: {r.status_code} {r.text[:200]}")
+
     def _run(self, kind: str) -> None:
         n = 0
         while not self.stop_event.wait(0.1):
@@ -117,6 +137,11 @@ class MoreAttacks:
                 elif kind == "incarnation":
                     self._decode("decode-r", k, {**params, "remote_incarnation_id": os.urandom(6).hex()}, kind)
                     self._decode("decode", k, params, "incarnation_real")
+                elif kind == "forged_params":
+                    field, forge = self.FORGERIES[n % len(self.FORGERIES)]
+                    forged = {**params, field: forge(params)}
+                    for name in ("decode-r", "decode"):
+                        self._forged(name, k, {f: v for f, v in forged.items() if v is not None}, field)
                 elif kind == "engine_flood":
                     for i in range(4):
                         forged = {**params, "remote_engine_id": f"flood-{n}-{i}-{os.urandom(3).hex()}"}

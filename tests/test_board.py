@@ -10,15 +10,19 @@ a prefill process over real NIXL: the decode opens its board at the handshake.""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvconnect.core.board import SIZE, BoardReader, BoardWriter, binding, remove_orphans, slot_of
+from kvconnect.core.board import SIZE, BoardReader, BoardWriter, binding, boot_id, remove_orphans, slot_of
 from kvconnect.core.cache import KVCache
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.decode.pull import PullPhase
@@ -31,6 +35,8 @@ from tests.helpers import config_for_tests, spec
 
 INCARNATION = uuid.uuid4().hex
 PROMPT = b"p" * 16
+BOOT = boot_id()
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def colliding(lease_id: str) -> str:
@@ -50,7 +56,7 @@ def board(tmp_path) -> Iterator[BoardWriter]:
 
 
 def reader(board: BoardWriter, tmp_path, incarnation: str = INCARNATION) -> BoardReader | None:
-    return BoardReader.open(board.name, incarnation, str(tmp_path))
+    return BoardReader.open(board.name, incarnation, BOOT, str(tmp_path))
 
 
 def test_a_held_lease_shows_bound_to_its_prompt_and_blocks_and_goes_when_it_ends(board, tmp_path) -> None:
@@ -90,7 +96,7 @@ def test_the_board_shows_exactly_the_held_leases_that_got_their_slot(tmp_path_fa
     writer = BoardWriter.create(INCARNATION, directory)
     assert writer is not None
     try:
-        view = BoardReader.open(writer.name, INCARNATION, directory)
+        view = BoardReader.open(writer.name, INCARNATION, BOOT, directory)
         assert view is not None
         first, second = "slot-one", "slot-two"
         ids = [first, colliding(first), colliding(first), second, colliding(second), colliding(second)]
@@ -117,14 +123,104 @@ def test_the_board_shows_exactly_the_held_leases_that_got_their_slot(tmp_path_fa
 def test_a_decode_opens_only_a_board_of_its_form_size_and_incarnation(board, tmp_path) -> None:
     assert reader(board, tmp_path) is not None
     assert reader(board, tmp_path, uuid.uuid4().hex) is None  # another incarnation's (a restarted prefill)
-    assert BoardReader.open("../" + board.name, INCARNATION, str(tmp_path)) is None
-    assert BoardReader.open("kvconnect-board-" + "0" * 32, INCARNATION, str(tmp_path)) is None  # not there
+    assert BoardReader.open("../" + board.name, INCARNATION, BOOT, str(tmp_path)) is None
+    assert BoardReader.open("kvconnect-board-" + "0" * 32, INCARNATION, BOOT, str(tmp_path)) is None  # not there
     short = tmp_path / ("kvconnect-board-" + "1" * 32)
     short.write_bytes(b"KVCBOARD" + bytes(100))
-    assert BoardReader.open(short.name, INCARNATION, str(tmp_path)) is None
+    assert BoardReader.open(short.name, INCARNATION, BOOT, str(tmp_path)) is None
     link = tmp_path / ("kvconnect-board-" + "2" * 32)
     link.symlink_to(board.path)
-    assert BoardReader.open(link.name, INCARNATION, str(tmp_path)) is None
+    assert BoardReader.open(link.name, INCARNATION, BOOT, str(tmp_path)) is None
+
+
+# --- a board nobody can plant or break (each of these was a way in before the checks) -------------------------
+
+
+def planted(board: BoardWriter, tmp_path, name_digit: str) -> str:
+    """A copy of `board` (its header and slots, held leases included) under another board name."""
+    path = tmp_path / ("kvconnect-board-" + name_digit * 32)
+    with open(board.path, "rb") as f:
+        path.write_bytes(f.read())
+    os.chmod(path, 0o600)
+    return path.name
+
+
+def test_a_decode_refuses_a_board_it_did_not_get_from_a_prefill_of_its_user_and_host(board, tmp_path) -> None:
+    """Anyone on the host can see a board's name and incarnation on the wire; a board is trusted only when it is a
+    regular file of the decode's own user, mode 0600, with one link, of a prefill that reported this boot id."""
+    board.held("lease-a", PROMPT, [4, 5], ())
+    good = planted(board, tmp_path, "4")
+    assert BoardReader.open(good, INCARNATION, BOOT, str(tmp_path)) is not None  # (the copy itself passes)
+    assert BoardReader.open(good, INCARNATION, "another-host", str(tmp_path)) is None
+    assert BoardReader.open(good, INCARNATION, "", str(tmp_path)) is None
+    os.chmod(tmp_path / good, 0o644)
+    assert BoardReader.open(good, INCARNATION, BOOT, str(tmp_path)) is None  # readable by others: not ours
+    os.chmod(tmp_path / good, 0o600)
+    os.chown(tmp_path / good, 65534, 65534)
+    assert BoardReader.open(good, INCARNATION, BOOT, str(tmp_path)) is None  # another user's
+    linked = planted(board, tmp_path, "5")
+    os.link(tmp_path / linked, tmp_path / "kept-elsewhere")
+    assert BoardReader.open(linked, INCARNATION, BOOT, str(tmp_path)) is None  # two links: its content is not its own
+
+
+def test_a_fifo_named_like_a_board_hangs_neither_a_prefills_start_nor_a_decode(tmp_path) -> None:
+    """A FIFO blocks an open for reading until a writer comes: a blocking open hung the prefill's start (its
+    orphan sweep) and the decode's loop. Run where a hang is a failure, not a stuck suite."""
+    fifo = tmp_path / ("kvconnect-board-" + "6" * 32)
+    os.mkfifo(fifo, 0o600)
+    code = (
+        "import sys; from kvconnect.core.board import BoardReader, BoardWriter, boot_id;"
+        f"w = BoardWriter.create('{INCARNATION}', {str(tmp_path)!r}); assert w is not None; w.close();"
+        f"assert BoardReader.open({fifo.name!r}, '{INCARNATION}', boot_id(), {str(tmp_path)!r}) is None;"
+        "print('done')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0 and "done" in done.stdout, done.stderr[-2000:]
+    assert fifo.exists()  # (not ours to remove: not a regular file)
+
+
+def test_a_full_shared_memory_gives_no_board_instead_of_a_sigbus_at_a_grant(tmp_path) -> None:
+    """A board is 512 KiB of a shared memory that NCCL and vLLM fill too (64 MiB by default in a container). A
+    sparse board let the first grant that touched an unbacked page kill the prefill with SIGBUS."""
+    small = tmp_path / "shm"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        code = (
+            "from kvconnect.core.board import BoardWriter;"
+            f"w = BoardWriter.create('{INCARNATION}', {str(small)!r});"
+            "print('no board' if w is None else 'board');"
+            "w is None or [w.held(f'lease-{i}', b'p' * 16, [i], ()) for i in range(4000)]; print('alive')"
+        )
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert done.returncode == 0 and done.stdout.split() == ["no", "board", "alive"], (done.returncode, done.stdout)
+        assert os.listdir(small) == []  # (nothing half-made left behind)
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
+def test_a_board_cut_short_under_a_decode_reads_as_nothing_held_instead_of_killing_it(board, tmp_path) -> None:
+    """The board's owner truncating it (or its user, on its behalf) made a decode reading a mapped board die of
+    SIGBUS; read with pread, a short board holds nothing."""
+    board.held("lease-a", PROMPT, [4, 5], ())
+    code = (
+        "import os; from kvconnect.core.board import BoardReader, binding, boot_id;"
+        f"v = BoardReader.open({board.name!r}, '{INCARNATION}', boot_id(), {str(tmp_path)!r});"
+        f"b = binding('lease-a', {PROMPT!r}, [4, 5], ()); print(v.holds('lease-a', b));"
+        f"os.truncate({board.path!r}, 100); print(v.holds('lease-a', b))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0 and done.stdout.split() == ["True", "False"], (done.returncode, done.stderr[-500:])
+
+
+def test_a_closed_board_shows_no_held_lease_to_a_decode_that_still_has_it_open(board, tmp_path) -> None:
+    view = reader(board, tmp_path)
+    assert view is not None
+    board.held("lease-a", PROMPT, [4, 5], ())
+    assert view.holds("lease-a", binding("lease-a", PROMPT, [4, 5], ()))
+    board.close()
+    assert not view.holds("lease-a", binding("lease-a", PROMPT, [4, 5], ()))
 
 
 def test_a_closed_board_is_gone_and_later_lease_changes_do_nothing(tmp_path) -> None:
@@ -213,8 +309,9 @@ def test_a_lease_that_ended_before_the_read_was_checked_is_not_read_from_the_boa
 def test_a_pull_for_another_prompt_is_not_read_from_the_board(prefill) -> None:
     with a_ready_decode(prefill) as (dec, _):
         params = prefill.lease(rid(), [20, 21], 32, prompt_digest=PROMPT)
+        unbound = msgspec.structs.replace(params, remote_prompt_digest=None)  # (else refused before any read)
         with prefill._loop.lock:
-            handle = dec.pull(params, [7, 8], prompt_digest=b"q" * 16)
+            handle = dec.pull(unbound, [7, 8], prompt_digest=b"q" * 16)
             poll_until(lambda: read_and_waiting(dec), what="the read done, waiting for the PIN's answer")
             assert not handle.done()
         with pytest.raises(LeaseLostError, match="another prompt"):

@@ -13,7 +13,12 @@ import pytest
 
 from kvconnect.core.cache import KVCache
 from kvconnect.core.connector import KVConnector
-from kvconnect.core.errors import LeaseLostError, PeerGoneError, TransferError, TransferTimeoutError
+from kvconnect.core.errors import (
+    LeaseLostError,
+    PeerGoneError,
+    TransferError,
+    TransferTimeoutError,
+)
 from kvconnect.core.faults import FaultHooks
 from kvconnect.core.plan.layout import LayoutKind
 from tests.fake_transport import FakeTransport, Wire
@@ -198,17 +203,21 @@ def test_params_from_another_incarnation_fail_as_a_restart(prefill, wire) -> Non
 
 
 def test_a_lease_bound_to_one_prompt_refuses_a_decode_serving_another_and_survives(prefill, wire) -> None:
-    """Prompt P's params sent with prompt Q: the prefill refuses the pin (and any confirmation), so nothing
+    """Prompt P's params sent with prompt Q: the decode refuses them at once (they name P's binding); with that
+    field dropped (unsigned params can lose it), the prefill refuses the pin (and any confirmation), so nothing
     read is used; P's lease is untouched and its own reader then reads it."""
     from kvconnect.core.plan.params import prompt_digest
 
     p_digest, q_digest = prompt_digest([11, 12, 13, 14]), prompt_digest([11, 12, 13, 15])
     params = prefill.lease(rid(), [18, 19], 32, prompt_digest=p_digest)
+    unbound = msgspec.structs.replace(params, remote_prompt_digest=None)
     with decoder(wire) as dec:
+        with pytest.raises(LeaseLostError, match="remote_prompt_digest: the lease holds the KV of another prompt"):
+            dec.pull(params, [0, 1], prompt_digest=q_digest)
         for pin_reads in (True, False):
             with decoder(wire, pin_reads=pin_reads) as other:
                 with pytest.raises(LeaseLostError, match="the lease holds the KV of another prompt"):
-                    other.pull(params, [0, 1], prompt_digest=q_digest).wait(10)
+                    other.pull(unbound, [0, 1], prompt_digest=q_digest).wait(10)
         assert prefill.lease_state(params.remote_lease_id).value == "held"
         dec.pull(params, [2, 3], prompt_digest=p_digest).wait(10)
         assert dec.cache.block_bytes(2) == prefill.cache.block_bytes(18)
@@ -252,8 +261,9 @@ def test_a_pull_refused_while_its_transfer_runs_keeps_its_blocks_until_the_trans
 
     params = prefill.lease(rid(), [20, 21], 32, prompt_digest=prompt_digest([1, 2, 3]))
     wire.hold = True
-    with decoder(wire) as dec:
-        handle = dec.pull(params, [4, 5], prompt_digest=prompt_digest([1, 2, 4]))
+    with decoder(wire) as dec:  # (the params' own binding dropped: only the prefill's check is left to refuse)
+        unbound = msgspec.structs.replace(params, remote_prompt_digest=None)
+        handle = dec.pull(unbound, [4, 5], prompt_digest=prompt_digest([1, 2, 4]))
         with pytest.raises(LeaseLostError, match="another prompt"):
             handle.wait(10)
         assert not handle.settled() and dec.snapshot().quarantined_blocks == 2

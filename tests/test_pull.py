@@ -216,10 +216,12 @@ def test_layout_mismatch_names_the_fields() -> None:
 def test_secret_required_and_checked() -> None:
     pre = PrefillProcess.start(spec(LayoutKind.CROSS_LAYER), secret="open-sesame")
     try:
-        for block, wrong in enumerate(("", "guess")):
-            with decoder(LayoutKind.CROSS_LAYER, secret=wrong) as dec:
-                with pytest.raises(AuthError):
-                    dec.pull(pre.lease(rid(), [10 + block]), [0]).wait(20)
+        with decoder(LayoutKind.CROSS_LAYER, secret="") as dec:  # (takes unsigned params: the side channel refuses)
+            with pytest.raises(AuthError):
+                dec.pull(pre.lease(rid(), [10]), [0]).wait(20)
+        with decoder(LayoutKind.CROSS_LAYER, secret="guess") as dec:  # (refuses the params: signed under another key)
+            with pytest.raises(InvalidRequestError, match="remote_key_id"):
+                dec.pull(pre.lease(rid(), [11]), [0])
         with decoder(LayoutKind.CROSS_LAYER, secret="open-sesame") as dec:
             request_id = rid()
             dec.pull(pre.lease(request_id, [2, 3]), [0, 1]).wait(20)

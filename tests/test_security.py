@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvconnect.core.errors import AuthError, InvalidRequestError, ProtocolError
-from kvconnect.core.plan.params import parse_kv_transfer_params
+from kvconnect.core.plan.params import KVTransferParams, parse_kv_transfer_params
+from kvconnect.core.plan.signing import Keyring, params_expiry_ms, sign_params
 from kvconnect.core.wire import lease_client
 from kvconnect.core.wire import protocol as p
 from kvconnect.core.wire.handshake import request as side_request
@@ -232,7 +233,7 @@ def test_bad_transfer_params_get_400_naming_the_field_and_nothing_is_read(
         return [metric(urls[w], n, **({"outcome": "completed"} if "leases" in n else {})) for w, n in watched]
 
     before = read()
-    bad = {k: v for k, v in {**params, **patch}.items() if v is not None}
+    bad = resigned({k: v for k, v in {**params, **patch}.items() if v is not None})  # (as if the prefill sent them)
     r = decode_leg(urls["decode"], PROMPT, bad, MAX_TOKENS, rid)
     assert r["status"] == 400, r  # refused, not recomputed, although this decode worker recomputes failures
     assert r["param"] == field, r
@@ -247,6 +248,33 @@ def test_bad_transfer_params_get_400_naming_the_field_and_nothing_is_read(
     finally:
         ctx.term()
     poll_until(lambda: idle(urls["prefill"]), what="lease gone")
+
+
+def resigned(params: dict) -> dict:
+    """`params` signed again under the cluster's secret: what a decode checks after the signature."""
+    fields = {k: v for k, v in params.items() if k not in ("remote_mac", "remote_key_id", "remote_expires_ms")}
+    raw = msgspec.convert(fields, KVTransferParams)
+    signed = sign_params(raw, Keyring.parse(SECRET), params_expiry_ms(60))
+    return msgspec.to_builtins(signed)
+
+
+@pytest.mark.parametrize("patch", [{"remote_block_ids": [0, 1, 2]}, {"remote_host": "localhost"}, {"remote_mac": None}])
+def test_params_altered_after_the_prefill_signed_them_are_refused_before_anything_is_dialled(
+    cluster: Cluster, patch: dict
+) -> None:
+    """A client (or anything between the prefill and the decode) that changes one signed field, or drops the
+    signature, gets a 400 naming the signature; the decode dials nothing, reads nothing."""
+    urls = cluster.urls
+    params = prefill_leg(urls["prefill"], PROMPT, f"altered-{os.urandom(3).hex()}")
+    handshakes = metric(urls["decode"], "kvconnect_handshakes_total")
+    before = metric(urls["decode"], "kvconnect_pulls_ok_total")
+    bad = {k: v for k, v in {**params, **patch}.items() if v is not None}
+    r = decode_leg(urls["decode"], PROMPT, bad, MAX_TOKENS, "altered")
+    assert r["status"] == 400 and r["param"] == "kv_transfer_params.remote_mac", r
+    assert metric(urls["decode"], "kvconnect_pulls_ok_total") == before
+    assert metric(urls["decode"], "kvconnect_handshakes_total") == handshakes
+    good = decode_leg(urls["decode"], PROMPT, params, MAX_TOKENS, "altered-good")  # (the lease itself is intact)
+    assert good["status"] == 200, good
 
 
 def test_refused_leg_releases_the_lease_it_names(cluster: Cluster) -> None:
@@ -273,8 +301,9 @@ def test_params_edited_to_other_blocks_are_refused_like_any_lost_lease_and_the_r
     ended = {o: metric(urls["prefill"], "kvconnect_leases_ended", outcome=o) for o in ("released", "completed")}
     lost = metric(urls["decode"], FAILED, reason="LeaseLostError")
     answers = []
+    # (signed again as a prefill would: what the prefill refuses on its own, behind the decode's signature check)
     for edited in ({**a, "remote_block_ids": b["remote_block_ids"]}, {**a, "remote_lease_id": "made-up"}):
-        r = decode_leg(urls["decode"], PROMPT, edited, MAX_TOKENS, "mine-1")
+        r = decode_leg(urls["decode"], PROMPT, resigned(edited), MAX_TOKENS, "mine-1")
         answers.append((r["status"], r.get("token_ids"), r.get("error")))
     assert answers == [(200, expected, None)] * 2, answers  # recomputed from the prompt, nothing read
     assert metric(urls["decode"], FAILED, reason="LeaseLostError") == lost + 2

@@ -47,6 +47,7 @@ NUM_REQUESTS = int(os.environ.get("KVCONNECT_SOAK_REQUESTS", "200"))
 CONCURRENCY = 32
 SEED = int(os.environ.get("KVCONNECT_SOAK_SEED", "20261129"))
 TTL_S = 8.0
+SECRET = "soak-test-secret"
 ABORT_P, STREAM_P, CHAT_P = 0.08, 0.35, 0.25
 EXPIRY_EVERY = max(NUM_REQUESTS // 25, 4)  # completed requests between two expiry injections
 RSS_BOUND_BYTES = 768 * 2**20  # workers sit near 310 MiB (torch, NIXL/UCX, the model, a 32 MiB cache)
@@ -250,7 +251,7 @@ class Attacks:
                                 os.urandom(16),
                             ),
                         ):
-                            reply = side_request(ctx, "127.0.0.1", port, msg, 5.0, b"")
+                            reply = side_request(ctx, "127.0.0.1", port, msg, 5.0, SECRET.encode())
                             self.counts["forged"] += 1
                             if isinstance(reply, p.LeaseReply) and reply.state in (
                                 p.LeaseState.HELD,
@@ -385,7 +386,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
             "decode": ["--failure-policy", "fail", *decode_flags],
             "decode-r": ["--failure-policy", "recompute", *decode_flags],
         },
-        extra_env={"prefill": {"KVCONNECT_FAULT_INJECTION": "1"}},
+        extra_env={  # (every process holds the secret: params are signed, and every forged one must be refused)
+            name: {"KVCONNECT_SECRET": SECRET, **({"KVCONNECT_FAULT_INJECTION": "1"} if name == "prefill" else {})}
+            for name in ("prefill", "decode", "decode-r", "aggregated", "proxy")
+        },
         log_dir=str(tmp_path_factory.mktemp("soak-logs")),
     ) as c:
         yield c
@@ -510,6 +514,7 @@ def test_soak_with_random_faults(cluster: Cluster) -> None:
     assert more.bad == [], more.bad[:5]  # (no prompt swap, forged incarnation or engine id read others' KV)
     for kind in (*MoreAttacks.KINDS, "half_sent"):
         assert more.counts[kind] >= 2, (kind, report)
+    assert more.counts["forged_params_refused"] >= 4, report  # (each a 400 naming a signed field; none answered)
     # every completion correct or failed with a named error; none wrong, none unexplained
     assert kinds["wrong"] == 0, [r for r in rows if r["kind"] == "wrong"][:3]
     assert kinds["unclear"] == 0, [(r["rid"], r.get("error")) for r in rows if r["kind"] == "unclear"][:5]

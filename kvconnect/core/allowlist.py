@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 from kvconnect.core.errors import ConfigError, InvalidRequestError
+from kvconnect.core.plan.params import canonical_host
 
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*\.?$")
@@ -31,13 +32,18 @@ class AllowList:
         return not self.networks and not self.names
 
     def allows(self, host: str) -> bool:
+        """Whether `host`, in its one spelling (`params.canonical_host`: a bracketed IPv4 address or a numeric name
+        is no host at all), is listed."""
         if self.open:
             return True
-        bare = host.strip("[]")
         try:
-            addr = ipaddress.ip_address(bare)
+            canonical = canonical_host(host)
+        except InvalidRequestError:
+            return False
+        try:
+            addr = ipaddress.ip_address(canonical)
         except ValueError:
-            return bare.lower().rstrip(".") in self.names
+            return canonical in self.names
         return any(addr in net for net in self.networks)
 
     def check(self, host: str, field: str) -> None:

@@ -16,6 +16,7 @@ import msgspec
 
 from kvconnect.core.allowlist import is_loopback, parse_allowlist
 from kvconnect.core.errors import ConfigError
+from kvconnect.core.plan.signing import Keyring
 
 ENV_PREFIX = "KVCONNECT_"
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "*")  # bind addresses that name no one host
@@ -51,7 +52,9 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
     side_channel_host: str = "127.0.0.1"  # bind address of the ZMQ side channel
     side_channel_port: int = 0  # 0 = pick a free port
     advertise_host: str = ""  # what peers should dial; defaults to side_channel_host
-    secret: str = ""  # shared secret for the side channel (HMAC); empty = no authentication (loopback only)
+    # shared secret for the side channel (HMAC) and the params a prefill signs; one per line: the first signs, each
+    # verifies (rotation); empty = no authentication (loopback only)
+    secret: str = ""
     lease_ttl_s: float = 60.0  # a lease nobody reads is freed after this
     # prefill: how long after its kv_transfer_params left a lease may still be granted. Engines that grant it
     # on their next step (the vLLM plug-in) advertise this in the handshake; a decode then asks again about a
@@ -166,8 +169,9 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
         return f"ConnectorConfig({fields})"
 
     @property
-    def secret_bytes(self) -> bytes:
-        return self.secret.encode()
+    def keyring(self) -> Keyring:
+        """The secrets, one per line of `secret`: the first signs, every one verifies (plan/signing.py)."""
+        return Keyring.parse(self.secret)
 
 
 MAX_CPU = 4095

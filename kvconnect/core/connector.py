@@ -24,13 +24,14 @@ import zmq
 
 from kvconnect.core.affinity import io_cpus, threads_started_on
 from kvconnect.core.agent import AgentOptions, NixlAgent
+from kvconnect.core.board import boot_id
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig
 from kvconnect.core.decode.handle import PullHandle, PullStats
 from kvconnect.core.decode.peers import PeerSet
 from kvconnect.core.decode.pull import Pull
-from kvconnect.core.decode.puller import Puller
-from kvconnect.core.errors import KVConnectError
+from kvconnect.core.decode.puller import Puller, trusted
+from kvconnect.core.errors import InvalidRequestError, KVConnectError
 from kvconnect.core.faults import FaultHooks
 from kvconnect.core.loop import Loop
 from kvconnect.core.plan.groups import GroupedBlocks
@@ -106,7 +107,7 @@ class KVConnector:
             self._lender.serve(self._agent)
             self._peer_info = self._hello_answer()
             self._ctx = zmq.Context()
-            secret = config.secret_bytes
+            secret = config.keyring
             self._server = SideChannelServer(
                 self._ctx, config.side_channel_host, config.side_channel_port, self._handle, secret
             )
@@ -158,6 +159,7 @@ class KVConnector:
             lease_grace_ms=round(self.config.lease_grace_s * 1000),
             offers=dict(self._transports.offers),
             lease_board=board.name if board is not None else "",
+            boot_id=boot_id() if board is not None else "",
         )
 
     # --- prefill role ------------------------------------------------------------------------------
@@ -208,22 +210,32 @@ class KVConnector:
         prompt_digest: bytes = b"",
         driven: bool = False,
         requested_s: float | None = None,
-        leased: GroupedBlocks | None = None,
+        tail: GroupedBlocks | None = None,
     ) -> PullHandle:
         """Start pulling `params.remote_block_ids` into `local_block_ids`; never blocks on the peer.
-        InvalidRequestError (naming the field) when the params or ids are invalid: nothing is started.
-        `prompt_digest`: the digest of the prompt this decode serves; a lease bound to another prompt refuses
-        the read (LeaseLostError) and nothing of it is used. `driven`: the caller calls `drive()` right after,
-        which then starts the pull on its thread (the loop thread is not woken for it). `requested_s`: when
-        the caller was asked for the pull (`time.monotonic()`, default now): the pull's stats count from
-        there. `leased`: all the lease's blocks, when the params were cut to their tail (the caller's own
-        prefix-cache hit); a same-host decode checks the lease board against them (board.py)."""
-        handle, start = self._decode.prepare(params, local_block_ids, request_id, prompt_digest, requested_s, leased)
+        InvalidRequestError (naming the field) when the params or ids are invalid, or cannot be trusted (signed
+        params: `plan/signing.py`): nothing is started, nothing dialled. `prompt_digest`: the binding of the prompt
+        this decode serves; params or a lease bound to another prompt refuse the read and nothing of it is used.
+        `driven`: the caller calls `drive()` right after, which then starts the pull on its thread (the loop thread
+        is not woken for it). `requested_s`: when the caller was asked for the pull (`time.monotonic()`, default
+        now): the pull's stats count from there. `tail`: read only these blocks, a tail of each group of the params'
+        blocks (the caller's own prefix-cache hit holds the rest), into `local_block_ids`; default: all of them."""
+        try:
+            handle, start = self._decode.prepare(params, local_block_ids, request_id, prompt_digest, requested_s, tail)
+        except KVConnectError as e:
+            self._counters.failed(e)  # (refused before anything started: counted like any failed pull)
+            raise
         self._loop.call(start, driver=driven)
         return handle
 
     def release_remote(self, params: KVTransferParams) -> None:
-        """Tell the prefill side to free a lease we will not read (best effort, non-blocking)."""
+        """Tell the prefill side to free a lease we will not read (best effort, non-blocking). Params this decode
+        cannot trust (`plan/signing.py`) are dropped: a release dials the host they name."""
+        try:
+            trusted(params, self.config.keyring, None)
+        except InvalidRequestError as e:
+            log.debug("release not sent: %s", e)
+            return
         self._loop.call(lambda: self._decode.release.for_params(params))
 
     def _pull_done(self, pull: Pull, error: KVConnectError | None) -> None:

@@ -34,6 +34,7 @@ from starlette.routing import Route
 from kvconnect.core.config import env_int, env_setting, secret_from_env
 from kvconnect.core.errors import ConfigError, InvalidRequestError, KVConnectError
 from kvconnect.core.plan.params import parse_kv_transfer_params
+from kvconnect.core.plan.signing import Keyring
 from kvconnect.core.wire import lease_client
 from kvconnect.serving.bodies import BodyTooLargeError, decode_json, read_body
 from kvconnect.serving.openai_api import error_body
@@ -76,7 +77,7 @@ class Proxy:
         self._prefill_rr = itertools.cycle(range(len(self.prefill_urls)))
         self._decode_rr = itertools.cycle(range(len(self.decode_urls)))
         self._timeout = httpx.Timeout(timeout_s, connect=5.0)
-        self._secret = secret.encode()
+        self._secret = Keyring.parse(secret)
         self.client: httpx.AsyncClient | None = None
         self.metrics = ProxyMetrics()
 

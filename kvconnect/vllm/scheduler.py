@@ -29,13 +29,9 @@ from vllm.v1.request import RequestStatus
 
 from kvconnect.core.errors import InvalidRequestError
 from kvconnect.core.plan.groups import GroupedBlocks
-from kvconnect.core.plan.params import (
-    KVTransferParams,
-    lease_params,
-    new_lease_id,
-    parse_kv_transfer_params,
-    prompt_digest,
-)
+from kvconnect.core.plan.params import KVTransferParams, lease_params, new_lease_id, parse_kv_transfer_params
+from kvconnect.core.plan.signing import params_expiry_ms, sign_params
+from kvconnect.vllm.binding import prompt_binding
 from kvconnect.vllm.groups import NULL_BLOCK_ID, GroupMove, backoff
 from kvconnect.vllm.metadata import LeaseOrder, PullOrder, StepOrders, WorkerHello
 from kvconnect.vllm.settings import VllmSettings
@@ -57,15 +53,6 @@ def _unhashed(blocks: KVCacheBlocks) -> list[list[int]]:
     else:  # (vLLM 0.26: the same, read from its per-group block lists)
         groups = [[b.block_id for b in group if getattr(b, "block_hash", None) is None] for group in blocks.blocks]
     return [[int(b) for b in g if int(b) != NULL_BLOCK_ID] for g in groups]
-
-
-def _prompt_digest(request: Request, backoff: int = 0) -> bytes:
-    """The digest binding a lease to the request's prompt (less the last `backoff` tokens, which the decode
-    computes itself) and cache salt (b"": a prompt without token ids)."""
-    token_ids = getattr(request, "prompt_token_ids", None)
-    if token_ids is None:
-        return b""
-    return prompt_digest(token_ids[: len(token_ids) - backoff], getattr(request, "cache_salt", None))
 
 
 def _shorten(request: Request, backoff: int) -> bool:
@@ -168,7 +155,7 @@ class KVConnectScheduler:
                     request.num_prompt_tokens - self._backoff,
                     request.num_prompt_tokens - self._backoff - num_external_tokens,
                     refused,
-                    _prompt_digest(request, self._backoff),
+                    prompt_binding(request, self._backoff),
                     float(getattr(request, "arrival_time", 0.0) or 0.0),
                 )
             )
@@ -219,26 +206,31 @@ class KVConnectScheduler:
         groups = GroupedBlocks.of([move.trim(g) for move, g in zip(self._moves, block_ids, strict=True)])
         if not groups.ids.size or not self._may("do_remote_decode", request):
             return False, None
+        binding = prompt_binding(request)
+        if not binding:  # (what its KV was computed from cannot be named: a lease of it would bind nothing)
+            log.warning(
+                "kvconnect: request %r: its prompt cannot be bound; nothing leased", str(request.request_id)[:64]
+            )
+            return False, None
         hello = self._hello.get(0)
         config = self._settings.config
         ids = groups.ids.tolist()
         num_tokens = int(request.num_computed_tokens)
         lease_id = new_lease_id()
-        self._orders.leases.append(
-            LeaseOrder(request.request_id, ids, num_tokens, lease_id, _prompt_digest(request), groups.sizes)
-        )
+        self._orders.leases.append(LeaseOrder(request.request_id, ids, num_tokens, lease_id, binding, groups.sizes))
         port = hello.side_channel_port if hello is not None else config.side_channel_port
-        return True, msgspec.to_builtins(
-            lease_params(
-                engine_id=config.engine_id,
-                host=config.advertise_host,
-                base_port=port,
-                tp_size=self._settings.tp_size,
-                incarnation_id=hello.incarnation_id if hello is not None else None,
-                request_id=request.request_id,
-                lease_id=lease_id,
-                block_ids=ids,
-                num_tokens=num_tokens,
-                group_sizes=groups.wire_sizes(),
-            )
+        granted = lease_params(
+            engine_id=config.engine_id,
+            host=config.advertise_host,
+            base_port=port,
+            tp_size=self._settings.tp_size,
+            incarnation_id=hello.incarnation_id if hello is not None else None,
+            request_id=request.request_id,
+            lease_id=lease_id,
+            block_ids=ids,
+            num_tokens=num_tokens,
+            group_sizes=groups.wire_sizes(),
+            prompt=binding,
         )
+        signed = sign_params(granted, config.keyring, params_expiry_ms(config.lease_ttl_s))
+        return True, msgspec.to_builtins(signed)

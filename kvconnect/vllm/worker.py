@@ -27,7 +27,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import msgspec
 import torch
 
 from kvconnect.core.config import ConnectorConfig
@@ -201,20 +200,14 @@ class KVConnectWorker:
             remote = GroupedBlocks.flat(params.remote_block_ids, params.remote_group_sizes, field)
             # the local prefix cache filled each group's first blocks: read the tail of the prefill's
             local, tail = tail_pairs(GroupedBlocks.of(order.local_block_ids), remote, field)
-            wanted = msgspec.structs.replace(
-                params,
-                remote_block_ids=tail.ids.tolist(),
-                remote_group_sizes=tail.wire_sizes(),
-                remote_num_tokens=None,
-            )
             load.handle = self._require().pull(
-                wanted,
+                params,  # (as the prefill signed them; the connector reads `tail` of their blocks)
                 local.ids,  # (an array: the connector checks it as one)
                 order.request_id,
                 order.prompt_digest,
                 driven=True,
                 requested_s=requested_s,
-                leased=remote,
+                tail=tail,
             )  # (bind_connector_metadata drives right after)
         except KVConnectError as e:
             self._failed(load, e)

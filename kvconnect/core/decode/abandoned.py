@@ -15,6 +15,7 @@ import logging
 from kvconnect.core.decode.pull import Pull
 from kvconnect.core.errors import KVConnectError, PeerGoneError
 from kvconnect.core.transports.base import XferState
+from kvconnect.core.wire.logs import loggable
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,9 @@ class AbandonedReads:
                 state = XferState.ERR  # the connection is gone: nothing more can land
             except KVConnectError as e:
                 log.warning(
-                    "abandoned pull %s: cannot poll its transfer (%s); treating it as ended", pull.handle.request_id, e
+                    "abandoned pull %s: cannot poll its transfer (%s); treating it as ended",
+                    loggable(pull.handle.request_id),
+                    loggable(e, 300),
                 )
                 state = XferState.ERR
             if state is XferState.PROC:

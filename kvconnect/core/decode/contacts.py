@@ -15,7 +15,7 @@ import time
 
 from kvconnect.core.decode.claims import Claims
 from kvconnect.core.decode.endings import Endings
-from kvconnect.core.decode.peers import Peer, PeerSet
+from kvconnect.core.decode.peers import MAX_ALIASES, Peer, PeerSet
 from kvconnect.core.decode.pull import Pull, PullPhase
 from kvconnect.core.errors import (
     HandshakeError,
@@ -27,6 +27,7 @@ from kvconnect.core.errors import (
 )
 from kvconnect.core.snapshot import Counters
 from kvconnect.core.wire import protocol as p
+from kvconnect.core.wire.logs import loggable
 
 log = logging.getLogger(__name__)
 Ready = list[tuple[Peer, Pull]]  # pulls whose peer is ready now: to post
@@ -77,6 +78,18 @@ class Contacts:
         for claim, answer in self.claims.settled(now, timeout_s):
             if not self.claims.refuted(claim, answer, self._endings.fail) and isinstance(answer, p.PeerInfo):
                 current = self.peers.get(claim.key)
+                if current is not None and current.ready and current.info is not None:
+                    if current.info.incarnation_id == answer.incarnation_id:
+                        # the same process, reached by another spelling of its address or another interface: no
+                        # restart; the claim's pulls go to the known peer, and its other pulls run on
+                        log.info(
+                            "peer %s answered at %s:%d too: the same incarnation", claim.key, claim.host, claim.port
+                        )
+                        claim.channel.close()
+                        if len(current.aliases) < MAX_ALIASES:
+                            current.aliases.add((claim.host, claim.port))
+                        ready += [(current, pull) for pull in claim.waiting]
+                        continue
                 if current is not None:
                     # its waiting pulls fail too: they wait for an address or process that is gone
                     at = f"incarnation {answer.incarnation_id[:12]} at {claim.host}:{claim.port}"
@@ -116,7 +129,7 @@ class Contacts:
 
     def drop(self, peer: Peer, why: str) -> None:
         """Forget a peer: its link and channel. Its pulls in flight or being confirmed fail."""
-        log.info("dropping peer %s: %s", peer.key, why)
+        log.info("dropping peer %s: %s", peer.key, loggable(why, 400))
         for pull in [x for x in self._posted if x.peer_key == peer.key and x.phase is PullPhase.POSTED]:
             self._endings.fail(pull, PeerGoneError(f"engine {peer.engine_id} dropped: {why}"))
         for pull in list(peer.confirming.values()):  # (failing a pinned pull releases it: that edits `confirming`)

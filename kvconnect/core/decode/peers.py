@@ -10,6 +10,7 @@ business: nothing here knows NIXL. Loop thread only.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -20,14 +21,16 @@ from kvconnect.core.board import BoardReader
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig
 from kvconnect.core.decode.pull import PullPhase
-from kvconnect.core.errors import CapacityError, InvalidRequestError, LayoutMismatchError
+from kvconnect.core.errors import CapacityError, HandshakeError, InvalidRequestError, LayoutMismatchError
 from kvconnect.core.plan.descriptors import token_span
 from kvconnect.core.plan.hetero import Path, Source, SourcePlan, Sources, plan_source, plan_sources
+from kvconnect.core.plan.signing import Keyring
 from kvconnect.core.transports.base import Link, Move
 from kvconnect.core.transports.registry import Transports
 from kvconnect.core.wire import protocol as p
 from kvconnect.core.wire.handshake import PeerChannel
 from kvconnect.core.wire.lease_client import ShortChannels
+from kvconnect.core.wire.logs import loggable
 
 if TYPE_CHECKING:
     from kvconnect.core.decode.pull import Pull
@@ -35,6 +38,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 MAX_PEERS = 256  # prefill ranks known at once; beyond, an idle one is forgotten (or a first contact refused)
 MAX_HANDSHAKING = 32  # first contacts in flight at once (each one a socket to wherever its params point)
+MAX_ALIASES = 8  # other addresses a peer is remembered to answer at
+_ID = re.compile(r"[\x21-\x7e]{1,256}")  # what a peer's ids must be: printable ASCII, no spaces
 
 
 @dataclass
@@ -52,6 +57,8 @@ class Peer:
     waiting: list[Pull] = field(default_factory=list)  # pulls waiting for the handshake
     confirming: dict[str, Pull] = field(default_factory=dict)  # by message ref: a PIN or CONFIRM answer due
     board: BoardReader | None = None  # its lease board, when it is on this host (board.py)
+    # other (host, port) spellings it proved to answer at as this incarnation (`Contacts.settle_claims`)
+    aliases: set[tuple[str, int]] = field(default_factory=set)
 
     @property
     def ready(self) -> bool:
@@ -84,7 +91,7 @@ class PeerSet:
     """The known peers."""
 
     def __init__(
-        self, transports: Transports, cache: KVCache, config: ConnectorConfig, ctx: zmq.Context, secret: bytes
+        self, transports: Transports, cache: KVCache, config: ConnectorConfig, ctx: zmq.Context, secret: Keyring
     ) -> None:
         self._transports = transports
         self._cache = cache
@@ -151,7 +158,8 @@ class PeerSet:
     def stale(self, peer: Peer, pull: Pull) -> str:
         """How `pull`'s params disagree with what `peer` is ("" when they do not): another side-channel
         address, other heads, another incarnation. A claim to check, not a fact (decode/claims.py)."""
-        if (peer.host, peer.port, peer.remote_tp) != (pull.remote_host, pull.remote_port, pull.remote_tp):
+        address = (pull.remote_host, pull.remote_port)
+        if peer.remote_tp != pull.remote_tp or (address != (peer.host, peer.port) and address not in peer.aliases):
             return "another side channel address or TP size"
         if peer.source != pull.source:
             if peer.plan is not None:
@@ -183,6 +191,9 @@ class PeerSet:
                 "kv_transfer_params.remote_engine_id",
                 f"the side channel at {peer.host}:{peer.port} is another engine's, not {peer.engine_id!r}'s",
             )
+        malformed = [name for name in ("incarnation_id", "agent_name") if not _ID.fullmatch(getattr(info, name))]
+        if malformed:  # (ids a peer chose end up in log lines and NIXL calls: printable tokens only)
+            raise HandshakeError(f"peer at {peer.host}:{peer.port}: malformed handshake answer: {', '.join(malformed)}")
         if (info.spec.tp_size, info.spec.tp_rank) != (peer.remote_tp, peer.source.rank):
             raise LayoutMismatchError(
                 {"tp_rank": (peer.source.rank, info.spec.tp_rank), "tp_size": (peer.remote_tp, info.spec.tp_size)},
@@ -193,7 +204,7 @@ class PeerSet:
         plan = plan_source(spec, info.spec, peer.source, config.hetero_path.value, staging_blocks)
         peer.info, peer.plan = info, plan
         if config.lease_board and not config.kv_digest:  # (the digest comes only with the PIN's answer)
-            peer.board = BoardReader.open(info.lease_board, info.incarnation_id)
+            peer.board = BoardReader.open(info.lease_board, info.incarnation_id, info.boot_id)
         peer.link = self._transports.open(info, plan, peer.key)
 
     def log_ready(self, peer: Peer, handshake_s: float, setup_s: float) -> None:
@@ -202,7 +213,7 @@ class PeerSet:
             "peer %s ready: incarnation %s, %s<-%s, %s, %d descriptors per block, over %s, handshake %.1f ms "
             "(setup %.1f ms)",
             peer.key,
-            peer.info.incarnation_id[:12],
+            loggable(peer.info.incarnation_id, 12),
             self._cache.spec.kind.value,
             peer.info.spec.kind.value,
             peer.plan.describe(),

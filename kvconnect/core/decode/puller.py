@@ -23,6 +23,8 @@ import logging
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from kvconnect.core.allowlist import parse_allowlist
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig
@@ -38,17 +40,32 @@ from kvconnect.core.errors import (
     HandshakeError,
     InvalidRequestError,
     KVConnectError,
+    LeaseLostError,
     PeerGoneError,
     TransferError,
     TransferTimeoutError,
 )
 from kvconnect.core.plan.groups import GroupedBlocks
-from kvconnect.core.plan.params import KVTransferParams
+from kvconnect.core.plan.params import FIELD, KVTransferParams
+from kvconnect.core.plan.signing import Keyring, verify_params
 from kvconnect.core.snapshot import Counters
 from kvconnect.core.transports.base import XferState
 from kvconnect.core.wire import protocol as p
 
 log = logging.getLogger(__name__)
+
+
+def trusted(params: KVTransferParams, keys: Keyring, prompt_digest: bytes | None) -> None:
+    """Refuse `params` a decode must not act on: unsigned or badly signed ones where the decode holds keys, and expired
+    ones (InvalidRequestError naming the field); with `prompt_digest` (the decode's own binding), ones granted for
+    another prompt (LeaseLostError, as the prefill would answer: the lease is not this prompt's to read, nor to
+    end)."""
+    verify_params(params, keys, int(time.time() * 1000))
+    bound = params.remote_prompt_digest
+    if prompt_digest is None or bound is None or bound == prompt_digest.hex():
+        return
+    why = "the lease holds the KV of another prompt" if prompt_digest else "the lease is bound to a prompt; none named"
+    raise LeaseLostError(f"{FIELD}.remote_prompt_digest: {why}; nothing read")
 
 
 class Puller:
@@ -66,6 +83,7 @@ class Puller:
         self._no_room: list[Pull] = []  # pulls whose peer's link had no room for them yet
         self._posted: list[Pull] = []  # pulls whose transfer is in flight (polled each tick)
         self._allowed = parse_allowlist(config.peer_allowlist)
+        self._keys = config.keyring
         self.release = Releases(peers, engine_id, self._allowed)
         self.endings = Endings(self.release, counters, on_done)
         self._confirm = LeaseConfirmation(config, cache, engine_id, self.endings)
@@ -85,10 +103,22 @@ class Puller:
         request_id: str | None,
         prompt_digest: bytes = b"",
         requested_s: float | None = None,
-        leased: GroupedBlocks | None = None,
+        tail: GroupedBlocks | None = None,
     ) -> tuple[PullHandle, Callable[[], None]]:
-        """Validate a pull; returns its handle and the function that starts it at the next tick."""
+        """Validate a pull; returns its handle and the function that starts it at the next tick. Params this decode
+        cannot trust (signed: `plan/signing.py`), or granted for another prompt, are refused here: before anything
+        is dialled. `tail`: the blocks to read, a tail of each group of the params' (`KVConnector.pull`)."""
         spec, timeout_s = self._cache.spec, self._config.pull_timeout_s
+        trusted(params, self._keys, prompt_digest)
+        field = f"{FIELD}.remote_block_ids"
+        leased = GroupedBlocks.flat(params.remote_block_ids or [], params.remote_group_sizes, field)
+        if tail is not None:
+            if not tail.is_tail_of(leased):
+                raise InvalidRequestError(field, "the blocks to read are not a tail of each group of the params'")
+            wanted = tail.wire_sizes()
+            params = msgspec.structs.replace(
+                params, remote_block_ids=tail.ids.tolist(), remote_group_sizes=wanted, remote_num_tokens=None
+            )
         pull = Pull.from_params(
             params, local_block_ids, request_id, spec, timeout_s, prompt_digest, requested_s, leased
         )

@@ -16,6 +16,7 @@ Whether the remote blocks are the ones the prefill leased to this request is che
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import re
 import secrets
 from collections.abc import Sequence
@@ -49,7 +50,12 @@ _ID_FIELDS = {
     "remote_lease_id": _TOKEN,
     "remote_incarnation_id": _TOKEN,
     "remote_host": _TOKEN,
+    "remote_prompt_digest": re.compile(r"[0-9a-f]*"),
+    "remote_key_id": _TOKEN,
+    "remote_mac": _TOKEN,
 }
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME = re.compile(rf"(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*\.?")
 
 
 class KVTransferParams(msgspec.Struct):
@@ -72,21 +78,56 @@ class KVTransferParams(msgspec.Struct):
     # hybrid models (several KV cache groups: plan/groups.py): blocks per group, `remote_block_ids` being the
     # groups one after the other; absent for a single group
     remote_group_sizes: list[int] | None = None
+    # the binding of the lease to its prompt (`prompt_digest`, hex): a decode serving another prompt refuses them
+    remote_prompt_digest: str | None = None
+    # signed params (plan/signing.py): until when (wall clock, ms), under which key, and the MAC
+    remote_expires_ms: int | None = None
+    remote_key_id: str | None = None
+    remote_mac: str | None = None
 
 
 PROMPT_DIGEST_BYTES = 16
 
 
-def prompt_digest(token_ids: Sequence[int] | np.ndarray, cache_salt: str | None = None) -> bytes:
-    """What binds a lease to its prompt: a digest of the prompt's token ids (and the request's cache salt,
-    which keeps tenants' prefix caches apart). The prefill grants a lease under the digest of the prompt it
-    computed; a decode names the digest of the prompt it serves, and a lease refuses any other."""
+def prompt_digest(
+    token_ids: Sequence[int] | np.ndarray, cache_salt: str | None = None, extras: Sequence[tuple[str, bytes]] = ()
+) -> bytes:
+    """What binds a lease to its prompt: a digest of everything the KV was computed from, as the engine's prefix
+    cache keys it: the prompt's token ids, the request's cache salt (which keeps tenants' prefix caches apart), and
+    `extras`, tagged parts such as prompt embeddings, multimodal items and their places, a LoRA adapter
+    (vllm/binding.py gathers them from a vLLM request). The prefill grants a lease under the digest of the prompt
+    it computed; a decode names the digest of the prompt it serves, and a lease refuses any other."""
     h = hashlib.blake2b(digest_size=PROMPT_DIGEST_BYTES, person=b"kvc-prompt")
     salt = (cache_salt or "").encode()
     h.update(len(salt).to_bytes(8, "little"))
     h.update(salt)
     h.update(np.asarray(token_ids, dtype="<i8").tobytes())
+    for tag, part in extras:  # (each part length-prefixed: no two lists of parts share an encoding)
+        for piece in (tag.encode(), part):
+            h.update(len(piece).to_bytes(8, "little"))
+            h.update(piece)
     return h.digest()
+
+
+def canonical_host(host: str, field: str = f"{FIELD}.remote_host") -> str:
+    """`host` in its one spelling: an IP address as `ipaddress` writes it (IPv6 compressed and without brackets, an
+    IPv4-mapped IPv6 address as IPv4), a host name in lower case without its trailing dot. InvalidRequestError for
+    anything else: brackets around an IPv4 address or a name, or a name whose last label is all digits (what
+    resolvers take for an IPv4 address in another spelling: `127.000.000.001`, `2130706433`)."""
+    bracketed = host.startswith("[") and host.endswith("]")
+    bare = host[1:-1] if bracketed else host
+    try:
+        addr = ipaddress.ip_address(bare)
+    except ValueError:
+        name = bare.lower().rstrip(".")
+        if bracketed or not _HOSTNAME.fullmatch(bare) or name.rsplit(".", 1)[-1].isdigit():
+            raise InvalidRequestError(field, f"{bare[:64]!r} is neither an IP address nor a host name") from None
+        return name
+    if bracketed and addr.version == 4:
+        raise InvalidRequestError(field, "brackets hold only an IPv6 address")
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return str(addr.ipv4_mapped)
+    return str(addr)
 
 
 def new_lease_id() -> str:
@@ -106,6 +147,7 @@ def lease_params(
     block_ids: list[int],
     num_tokens: int | None,
     group_sizes: list[int] | None = None,
+    prompt: bytes = b"",
 ) -> KVTransferParams:
     """What a prefill hands a decode for one lease: the one place these params are assembled (the connector's
     `lease`, and the vLLM scheduler, which answers before its workers grant). `base_port` is TP rank 0's
@@ -122,6 +164,7 @@ def lease_params(
         remote_num_tokens=num_tokens,
         remote_lease_id=lease_id,
         remote_group_sizes=group_sizes,
+        remote_prompt_digest=prompt.hex() if prompt else None,
     )
 
 
@@ -239,7 +282,7 @@ def validated_pull(
     assert params.remote_lease_id
     return PullTarget(
         params.remote_engine_id,
-        params.remote_host,
+        canonical_host(params.remote_host),
         params.remote_port,
         params.remote_request_id,
         params.remote_lease_id,

@@ -6,6 +6,7 @@ import hmac
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvconnect.core.wire.logs import loggable
 from kvconnect.core.wire.protocol import LeaseState
 
 
@@ -31,7 +32,7 @@ class Lease:
     @property
     def request_id(self) -> str:
         """What logs call this lease: its label, else the start of its id (the id itself is a secret)."""
-        return self.label or self.lease_id[:8]
+        return loggable(self.label) if self.label else self.lease_id[:8]
 
     def token_ok(self, reader: int, token: bytes) -> bool:
         """Whether `token` is the one that claimed `reader` (no claim: False)."""

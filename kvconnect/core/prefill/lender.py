@@ -27,6 +27,7 @@ from kvconnect.core.digest import block_sums, digest
 from kvconnect.core.errors import KVConnectError
 from kvconnect.core.plan.groups import GroupedBlocks
 from kvconnect.core.plan.params import KVTransferParams, lease_params, new_lease_id, validate_block_ids
+from kvconnect.core.plan.signing import params_expiry_ms, sign_params
 from kvconnect.core.prefill.lease import Lease
 from kvconnect.core.prefill.table import LeaseTable
 from kvconnect.core.snapshot import Counters
@@ -51,6 +52,7 @@ class Lender:
         expire_read: Callable[[], bool] | None = None,
     ) -> None:
         self._cache, self._config, self._incarnation_id, self._counters = cache, config, incarnation_id, counters
+        self._keys = config.keyring
         self._on_blocks_freed, self._on_lease_ended = on_blocks_freed, on_lease_ended
         self.board = BoardWriter.create(incarnation_id) if config.lease_board else None
         self.leases = LeaseTable(
@@ -90,7 +92,7 @@ class Lender:
         self.leases.grant(
             lease_id, ids, label=request_id, content=content, prompt=prompt_digest, group_sizes=groups.sizes
         )
-        return lease_params(
+        params = lease_params(
             engine_id=self._config.engine_id,
             host=self._config.advertise_host,
             base_port=side_channel_port - spec.tp_rank,
@@ -101,7 +103,9 @@ class Lender:
             block_ids=ids,
             num_tokens=num_tokens,
             group_sizes=groups.wire_sizes(),
+            prompt=prompt_digest,
         )
+        return sign_params(params, self._keys, params_expiry_ms(self._config.lease_ttl_s))
 
     def _show(self, lease: Lease) -> None:  # (a grant or an end, under the lease table's lock)
         if self.board is None:

@@ -22,6 +22,7 @@ import msgspec
 import numpy as np
 
 from kvconnect.core.agent import NixlAgent, XferState
+from kvconnect.core.board import boot_id
 from kvconnect.core.plan.descriptors import PairPlan, PullPlan
 from kvconnect.core.plan.hetero import Path, SourcePlan
 from kvconnect.core.transports.base import Link, Move, Transport, TransportKind
@@ -60,15 +61,6 @@ def warm_up(device: Any) -> None:
     ids = torch.zeros(3, dtype=torch.int64, device=device)  # count 0
     _kernel()[(1,)](words, words, table, table, ids, 1, 1, _CHUNK_WORDS, 1, 1, CHUNK=_CHUNK_WORDS, num_warps=8)
     torch.cuda.synchronize(device)
-
-
-def host_id() -> str:
-    """Identifies the kernel we run on: peers with equal ids may share GPU memory through IPC."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 class IpcGather:
@@ -155,7 +147,7 @@ class IpcGather:
         """Map the regions `offer` names for pulls planned by `pair` into `cache`."""
         if not offer.handles:
             raise PeerCopyError("peer exports no CUDA IPC handles")
-        if not offer.host_id or offer.host_id != host_id():
+        if not offer.host_id or offer.host_id != boot_id():
             raise PeerCopyError("peer is on another host")
         if pair.unit_bytes % _WORD_BYTES:
             raise PeerCopyError(f"units of {pair.unit_bytes} bytes are not whole {_WORD_BYTES}-byte words")
@@ -322,7 +314,7 @@ class IpcTransport(Transport):
             raise PeerCopyError(f"{type(e).__name__}: {e}"[:300]) from e
         self._cache = cache
         exported = [export_region(addr) for addr in cache.base_addrs()]
-        return msgspec.msgpack.encode(IpcOffer(host_id(), [h for h, _ in exported], [o for _, o in exported]))
+        return msgspec.msgpack.encode(IpcOffer(boot_id(), [h for h, _ in exported], [o for _, o in exported]))
 
     def open(self, offer: bytes, info: PeerInfo, plan: SourcePlan) -> IpcLink:
         assert self._cache is not None, "IpcTransport.open before start"

@@ -28,6 +28,7 @@ from kvconnect.core.plan.hetero import SourcePlan
 from kvconnect.core.transports.base import Link, Transport
 from kvconnect.core.transports.ipc_gather import IpcTransport
 from kvconnect.core.transports.nixl_read import NixlRead
+from kvconnect.core.wire.logs import loggable
 from kvconnect.core.wire.protocol import PeerInfo
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class Transports:
                 continue
             link.kind, link.notifies = kind, transport.notifies
             if why:
-                log.info("peer %s: using %s (%s)", peer, kind, "; ".join(why))
+                log.info("peer %s: using %s (%s)", peer, kind, loggable("; ".join(why), 400))
             return link
         if self.required and self.status.get(self.required, READY) != READY:
             why.append(f"{self.required}: {self.status[self.required]}")

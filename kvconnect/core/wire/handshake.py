@@ -20,6 +20,7 @@ import msgspec
 import zmq
 
 from kvconnect.core.errors import AuthError, HandshakeError, HandshakeTimeoutError, ProtocolError
+from kvconnect.core.plan.signing import Keyring
 from kvconnect.core.wire import protocol as p
 from kvconnect.core.wire.logs import LogLimiter, loggable
 
@@ -52,11 +53,12 @@ class SideChannelServer:
         host: str,
         port: int,
         handler: Callable[[p.Request], p.Reply],
-        secret: bytes = b"",
+        secret: bytes | Keyring = b"",
         max_nonces: int = MAX_NONCES,
     ) -> None:
+        """`secret`: the keyring (or one secret) requests must be signed under; empty: none is checked."""
         self._handler = handler
-        self._secret = secret
+        self._secret = Keyring.of(secret)
         self._max_nonces = max_nonces
         self._seen: OrderedDict[bytes, int] = OrderedDict()  # nonce -> its message's timestamp (ms)
         self.sock = ctx.socket(zmq.ROUTER)
@@ -110,7 +112,8 @@ class SideChannelServer:
             code = p.ErrorCode.VERSION if "protocol version" in str(e) else p.ErrorCode.BAD_MESSAGE
             return p.ErrorReply(code, str(e)[:500])
         reply: p.Reply
-        problem = self._auth_problem(msg) if self._secret else ""
+        key = p.request_key(self._secret, msg) if self._secret and msg.mac else None
+        problem = self._auth_problem(msg, key) if self._secret else ""
         if problem:
             self.num_refused += 1
             self._log_refusal(type(msg).__name__, msg.engine_id, problem)
@@ -121,18 +124,18 @@ class SideChannelServer:
             except Exception as e:  # a handler bug must not kill the loop
                 log.exception("side channel handler failed")
                 reply = p.ErrorReply(p.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"[:500], ref=p.ref_of(msg))
-        # every answer to a decodable request is signed, refusals too: a client holding the secret believes
-        # only answers from a peer that holds it
-        return p.sign_reply(self._secret, msg.nonce, reply) if self._secret else reply
+        # every answer to a decodable request is signed (under the key its request was signed under), refusals
+        # too: a client holding the secret believes only answers from a peer that holds it
+        return p.sign_reply(key or self._secret.signing, msg.nonce, reply) if self._secret else reply
 
-    def _auth_problem(self, msg: p.Hello | p.LeaseRequest) -> str:
+    def _auth_problem(self, msg: p.Hello | p.LeaseRequest, key: bytes | None) -> str:
         if not msg.mac:
             return "authentication required"
         if len(msg.nonce) < 16:
             return "nonce too short"
         if abs(now_ms() - msg.ts_ms) > CLOCK_SKEW_S * 1000:
             return "timestamp outside the accepted window"
-        if not p.request_mac_ok(self._secret, msg):
+        if key is None:
             return "bad MAC (wrong secret?)"
         if msg.nonce in self._seen:
             return "replayed nonce"
@@ -154,7 +157,7 @@ def request(
     port: int,
     msg: p.Hello | p.LeaseRequest,
     timeout_s: float,
-    secret: bytes = b"",
+    secret: bytes | Keyring = b"",
 ) -> p.PeerInfo | p.LeaseReply:
     """Send one request and wait for its reply; raises HandshakeError and subclasses.
 
@@ -188,9 +191,9 @@ class PeerChannel:
     for every answer that has arrived, MAC-checked against the nonce its request carried.
     """
 
-    def __init__(self, ctx: zmq.Context, host: str, port: int, secret: bytes = b"") -> None:
+    def __init__(self, ctx: zmq.Context, host: str, port: int, secret: bytes | Keyring = b"") -> None:
         self.addr = zmq_address(host, port)
-        self._secret = secret
+        self._secret = Keyring.of(secret)
         self._nonces: dict[str, bytes] = {}
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)

@@ -30,6 +30,7 @@ import zmq
 from kvconnect.core.errors import AuthError, InvalidRequestError, KVConnectError, LeaseLostError
 from kvconnect.core.plan.hetero import Source
 from kvconnect.core.plan.params import KVTransferParams
+from kvconnect.core.plan.signing import Keyring
 from kvconnect.core.wire import protocol as p
 from kvconnect.core.wire.handshake import PeerChannel, request
 
@@ -145,7 +146,7 @@ class ShortChannels:
     """Release-only channels for the decode loop (loop thread only): one per release, dropped when its
     answer arrives or `SHORT_CHANNEL_S` after it was sent, `SHORT_CHANNELS_MAX` at most."""
 
-    def __init__(self, ctx: zmq.Context, secret: bytes) -> None:
+    def __init__(self, ctx: zmq.Context, secret: bytes | Keyring) -> None:
         self._ctx = ctx
         self._secret = secret
         self._open: list[tuple[PeerChannel, float]] = []  # (channel, when to close it)
@@ -185,7 +186,7 @@ class ShortChannels:
 
 
 def release_everywhere(
-    ctx: zmq.Context, params: KVTransferParams, engine_id: str, secret: bytes, timeout_s: float
+    ctx: zmq.Context, params: KVTransferParams, engine_id: str, secret: bytes | Keyring, timeout_s: float
 ) -> dict[int, str]:
     """Release `params`' lease on every rank as a non-reader (blocking); returns each rank's answer: the
     lease state it ended in, or the error (a rank that is gone cannot hold anything)."""

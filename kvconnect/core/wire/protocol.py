@@ -22,6 +22,7 @@ import msgspec
 
 from kvconnect.core.errors import LayoutError, ProtocolError
 from kvconnect.core.plan.layout import CacheSpec
+from kvconnect.core.plan.signing import Keyring
 
 # Peers of another version are refused by version, naming both. 2: leases keyed by the prefill's random lease
 # id and every PIN, CONFIRM, RELEASE and notification carrying its reader's read token; 3: the KV digest;
@@ -118,6 +119,7 @@ class PeerInfo(msgspec.Struct, tag="peer_info"):
     # (transports/: e.g. "ipc": where a same-host GPU peer maps the regions from). NIXL needs none.
     offers: dict[str, bytes] = {}
     lease_board: str = ""  # the name of its lease board in the host's shared memory ("": none; board.py)
+    boot_id: str = ""  # its kernel's boot id: a decode opens its board only where its own is the same
 
 
 class LeaseReply(msgspec.Struct, tag="lease_reply"):
@@ -192,22 +194,30 @@ def _mac(secret: bytes, *parts: bytes) -> bytes:
     return h.digest()
 
 
-def sign_request(secret: bytes, msg: Hello | LeaseRequest) -> Hello | LeaseRequest:
-    return msgspec.structs.replace(msg, mac=_mac(secret, encode(msgspec.structs.replace(msg, mac=b""))))
+def sign_request(keys: Keyring | bytes, msg: Hello | LeaseRequest) -> Hello | LeaseRequest:
+    """`msg` signed under the signing key (the first of the keyring)."""
+    key = Keyring.of(keys).signing
+    return msgspec.structs.replace(msg, mac=_mac(key, encode(msgspec.structs.replace(msg, mac=b""))))
 
 
-def request_mac_ok(secret: bytes, msg: Hello | LeaseRequest) -> bool:
-    want = _mac(secret, encode(msgspec.structs.replace(msg, mac=b"")))
-    return hmac.compare_digest(want, msg.mac)
+def request_key(keys: Keyring | bytes, msg: Hello | LeaseRequest) -> bytes | None:
+    """The key of the keyring `msg` is signed under (None: none of them): its answer is signed under the same."""
+    body = encode(msgspec.structs.replace(msg, mac=b""))
+    return next((k for k in Keyring.of(keys).keys if hmac.compare_digest(_mac(k, body), msg.mac)), None)
 
 
-def sign_reply(secret: bytes, nonce: bytes, msg: Reply) -> Reply:
-    return msgspec.structs.replace(msg, mac=_mac(secret, nonce, encode(msgspec.structs.replace(msg, mac=b""))))
+def request_mac_ok(keys: Keyring | bytes, msg: Hello | LeaseRequest) -> bool:
+    return request_key(keys, msg) is not None
 
 
-def reply_mac_ok(secret: bytes, nonce: bytes, msg: Reply) -> bool:
-    want = _mac(secret, nonce, encode(msgspec.structs.replace(msg, mac=b"")))
-    return hmac.compare_digest(want, msg.mac)
+def sign_reply(key: bytes, nonce: bytes, msg: Reply) -> Reply:
+    return msgspec.structs.replace(msg, mac=_mac(key, nonce, encode(msgspec.structs.replace(msg, mac=b""))))
+
+
+def reply_mac_ok(keys: Keyring | bytes, nonce: bytes, msg: Reply) -> bool:
+    """Whether `msg` answers the request that carried `nonce` and is signed under a key of the keyring."""
+    body = encode(msgspec.structs.replace(msg, mac=b""))
+    return any(hmac.compare_digest(_mac(k, nonce, body), msg.mac) for k in Keyring.of(keys).keys)
 
 
 # --- NIXL notification ---------------------------------------------------------------------------
