@@ -43,6 +43,7 @@ from kvconnect.core.transports.base import Transport, TransportKind
 from kvconnect.core.transports.registry import READY, Transports
 from kvconnect.core.wire import protocol as p
 from kvconnect.core.wire.handshake import SideChannelServer
+from kvconnect.core.wire.logs import loggable
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class KVConnector:
         cache: KVCache,
         config: ConnectorConfig,
         on_blocks_freed: Callable[[list[int]], None] | None = None,
-        on_pull_done: Callable[[PullStats, KVConnectError | None], None] | None = None,
+        on_pull_done: Callable[[PullStats, KVConnectError | None], None] | None = None,  # (once per request)
         clock: Callable[[], float] = time.monotonic,
         on_lease_ended: Callable[[str, p.LeaseState], None] | None = None,
         faults: FaultHooks | None = None,
@@ -222,8 +223,14 @@ class KVConnector:
         blocks (the caller's own prefix-cache hit holds the rest), into `local_block_ids`; default: all of them."""
         try:
             handle, start = self._decode.prepare(params, local_block_ids, request_id, prompt_digest, requested_s, tail)
-        except KVConnectError as e:
-            self._counters.failed(e)  # (refused before anything started: counted like any failed pull)
+        except KVConnectError as e:  # refused before anything started: counted and reported like any failed pull
+            self._counters.failed(e)
+            if self._on_pull_done is not None:
+                stats = PullStats(request_id or params.remote_request_id or "", params.remote_engine_id or "")
+                try:
+                    self._on_pull_done(stats, e)
+                except Exception:
+                    log.exception("pull %s: the pull-done callback failed", loggable(stats.request_id))
             raise
         self._loop.call(start, driver=driven)
         return handle
