@@ -64,10 +64,13 @@ def c(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmCluster]:
 
 
 def expected_bytes(num_prompt_tokens: int) -> int:
-    """Every full-attention block, and the sliding group's blocks from the one holding the window's first token
-    (vLLM has freed those before it: at most SLIDING_BLOCKS, fewer when the window starts late in a block)."""
-    full = -(-num_prompt_tokens // BLOCK)
-    sliding = full - max(0, num_prompt_tokens - WINDOW + 1) // BLOCK
+    """The prefill leg computes all but the last prompt token (a sliding window backs off a token, as state does:
+    kvconnect/vllm/groups.py): every full-attention block of those, and the sliding group's blocks from the one
+    holding the window's first token (vLLM has freed those before it: at most SLIDING_BLOCKS, fewer when the
+    window starts late in a block)."""
+    leased = num_prompt_tokens - 1
+    full = -(-leased // BLOCK)
+    sliding = full - max(0, leased - WINDOW + 1) // BLOCK
     assert sliding <= SLIDING_BLOCKS
     return (full + sliding) * BLOCK_BYTES
 
@@ -140,3 +143,18 @@ def test_a_lost_lease_in_a_hybrid_request_is_never_decoded_from(c: VllmCluster) 
     params: dict[str, Any] = {**prefill_leg(c, ids), "remote_lease_id": "made-up-lease"}
     got = decode_leg(c, "decode-r", ids, params)
     assert got["status"] == 200 and got["token_ids"] == reference(c, ids), got
+
+
+def test_pd_equals_the_aggregated_server_in_every_logprob_at_the_window_edge(c: VllmCluster) -> None:
+    """At block 128 with a 64-token window, n = 191 is where the last prompt token's window opens a block the
+    next token's does not (n - W + 1 = 128): P/D read a null block there before the prefill backed off a token
+    (tests/test_vllm_swa_edge.py says more). Tokens and logprobs equal the aggregated server's there and around."""
+    ids = tokenize(c, prompt_of(1200, seed=51))
+    rows = []
+    for n in (190, 191, 192, 318, 319, 320):
+        want = generate(c.urls["aggregated"], ids[:n], MAX_TOKENS, extra={"logprobs": 1})
+        params = prefill_leg(c, ids[:n])
+        got = generate(c.urls["decode"], ids[:n], MAX_TOKENS, extra={"logprobs": 1, "kv_transfer_params": params})
+        assert want["status"] == 200 and got["status"] == 200, (n, want, got)
+        rows.append((n, got["token_ids"] == want["token_ids"], got["logprobs"] == want["logprobs"]))
+    assert all(tokens and logprobs for _, tokens, logprobs in rows), rows

@@ -24,6 +24,10 @@ GEOMETRIES: dict[str, tuple[Any, ...]] = {
     "kv8x128": (1024, 8, 8, 4, 1024),  # head_dim 128: one 32-token block is 128 KiB per layer in bf16
     "llama8b-kv": (1024, 8, 8, 32, 1024),  # Llama-3-8B's KV cache (32 layers x 8 KV heads x 128), small otherwise
     "tiny-swa": (256, 8, 4, 4, 512, 2048, 8192, 0, 64),  # Gemma 3 style: window of 64 tokens on layers 0 and 2
+    # the sliding-window edge (a window that is not a multiple of the block size, and one that is): Gemma 2's
+    # S F S F with a 48-token window, Gemma 3's S S F S S F with a 64-token one
+    "tiny-gemma2-w48": (256, 8, 4, 4, 512, 2048, 8192, 0, 48, 0, 64, "", 0, 16, "SF", "gemma2"),
+    "tiny-gemma3-w64": (256, 8, 4, 6, 512, 2048, 8192, 0, 64, 0, 64, "", 0, 16, "SSF"),
     # gpt-oss-120b's attention (36 layers alternating a 128-token window and full attention, 8 KV heads x 64),
     # dense and small otherwise: only the KV cache's shape matters to a transfer
     "oss-attn": (512, 8, 8, 36, 512, 2048, 8192, 0, 128),
@@ -50,7 +54,7 @@ class TinyLlama:
     vocab: int = 2048
     max_positions: int = 8192
     seed: int = 0
-    sliding_window: int = 0  # > 0: a Gemma 3 text model, even layers sliding-window, odd ones full attention
+    sliding_window: int = 0  # > 0: a Gemma 3 text model, its layers sliding-window or full as `sliding_pattern` says
     kv_lora_rank: int = 0  # > 0: a DeepSeek-V2 model with MLA (latent of kv_lora_rank + rope_dim per token)
     rope_dim: int = 64
     # non-empty: a Nemotron-H model (Mamba2 + attention hybrid), one letter per layer: M Mamba2, * attention,
@@ -58,6 +62,8 @@ class TinyLlama:
     mamba_pattern: str = ""
     mamba_heads: int = 0  # Mamba2 heads of head_dim channels each (0: as many as attention heads)
     ssm_state: int = 16  # SSM state size per channel
+    sliding_pattern: str = "SF"  # with a sliding window: S sliding, F full attention, repeated over the layers
+    family: str = "gemma3"  # with a sliding window: "gemma3" (Gemma3ForCausalLM) or "gemma2" (Gemma2ForCausalLM)
 
     @classmethod
     def named(cls, name: str) -> TinyLlama:
@@ -146,15 +152,17 @@ def _shape(model: TinyLlama, hf_tok: Any) -> dict[str, Any]:
 
 
 def _save_gemma3(out: Path, model: TinyLlama, hf_tok: Any) -> None:
+    """A Gemma 3 text model (or Gemma 2: `family`) whose layers follow `sliding_pattern`."""
     import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
-    cfg = Gemma3TextConfig(
-        **_shape(model, hf_tok),
-        sliding_window=model.sliding_window,
-        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(model.layers)],
-    )
-    net: Any = Gemma3ForCausalLM(cfg)
+    pattern = model.sliding_pattern
+    kinds = {"S": "sliding_attention", "F": "full_attention"}
+    layer_types = [kinds[pattern[i % len(pattern)]] for i in range(model.layers)]
+    config: Any = Gemma2Config if model.family == "gemma2" else Gemma3TextConfig
+    net_class: Any = Gemma2ForCausalLM if model.family == "gemma2" else Gemma3ForCausalLM
+    cfg = config(**_shape(model, hf_tok), sliding_window=model.sliding_window, layer_types=layer_types)
+    net: Any = net_class(cfg)
     net.to(torch.bfloat16).save_pretrained(out)
     hf_tok.save_pretrained(out)
 

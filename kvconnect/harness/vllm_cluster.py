@@ -264,8 +264,9 @@ def generate(
     headers: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """One greedy request to an OpenAI server: {"status", "token_ids", "text", "error", "ttft_s", "total_s",
-    "kv_transfer_params"} (streamed answers reassembled; ttft_s: first streamed token, else the whole answer).
-    A completion's prompt may be token ids."""
+    "kv_transfer_params", "logprobs"} (streamed answers reassembled; ttft_s: first streamed token, else the whole
+    answer; logprobs: each generated token's, when `extra` asks for them, not streamed). A completion's prompt may
+    be token ids."""
     body: dict[str, Any] = {
         "model": "tiny",
         "max_tokens": max_tokens,
@@ -292,6 +293,7 @@ def generate(
             return out
         choice = data["choices"][0]
         out["token_ids"] = choice.get("token_ids")
+        out["logprobs"] = (choice.get("logprobs") or {}).get("token_logprobs")  # (asked for with extra logprobs)
         out["text"] = choice["message"]["content"] if chat else choice["text"]
         out["kv_transfer_params"] = data.get("kv_transfer_params")
         return out

@@ -5,7 +5,13 @@ A hybrid model's layers fall into groups by their cache spec, each with its own 
 - full attention (`FullAttentionSpec` and its kinds): every block of the prompt moves (less what the
   decode's own prefix cache holds);
 - sliding-window attention (`SlidingWindowSpec`): only the window's tail moves, the last
-  cdiv(window, block_size) + 1 blocks; vLLM has already swapped the blocks before it for its null block;
+  cdiv(window, block_size) + 1 blocks; vLLM has already swapped the blocks before it for its null block. vLLM
+  frees them for the window of the *next* token (a prefill that computed n tokens keeps n - window + 1 onwards),
+  but the decode computes the prompt's last token again, whose window starts one position earlier: where that
+  position opens a block, the block is gone and the decode would attend to a null block (NixlConnector's P/D
+  differs from the aggregated server there, at one prompt length per block). So a model with a sliding window
+  backs off a token too (`BACKOFF`): the prefill computes all but the last prompt token, and the window of the
+  token the decode computes is exactly what the prefill kept;
 - Mamba and linear-attention state (`MambaSpec`: Mamba1/2, GDN, short convolutions): one block holds a
   request's whole state (conv + SSM) after its last computed token; only that block moves (scratch blocks
   for speculative decoding and the null placeholders of vLLM's "align" cache mode stay). A state cannot be
@@ -29,7 +35,7 @@ NULL_BLOCK_ID = 0  # vLLM's block pool keeps block 0 as its null block: a placeh
 FULL = ("FullAttentionSpec",)
 SLIDING = ("SlidingWindowSpec",)
 STATE = ("MambaSpec",)
-BACKOFF = 1  # prompt tokens a model with state leaves to the decode (the state after all but the last)
+BACKOFF = 1  # prompt tokens a model with state or a sliding window leaves to the decode (module docstring)
 
 
 @dataclass(frozen=True)
@@ -51,9 +57,9 @@ class GroupMove:
 
 
 def backoff(moves: Sequence[GroupMove]) -> int:
-    """Prompt tokens the prefill leaves for the decode to compute: `BACKOFF` for a model with state, else 0
-    (attention KV of the last token is simply computed again)."""
-    return BACKOFF if any(m.state for m in moves) else 0
+    """Prompt tokens the prefill leaves for the decode to compute: `BACKOFF` for a model with state or a sliding
+    window (module docstring), else 0 (full attention's KV of the last token is simply computed again)."""
+    return BACKOFF if any(m.state or m.keep_blocks for m in moves) else 0
 
 
 def _kinds(spec: Any) -> set[str]:
