@@ -921,3 +921,15 @@ def test_the_vllm_gpu_image_adds_kvconnect_to_a_pinned_vllm_image_and_checks_its
     (run,) = [c.value[0] for c in commands if c.cmd == "RUN"]
     assert "pip install" in run and "vllm.general_plugins" in run and "'kvconnect'" in run
     assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")
+
+
+def test_every_kvconnect_pod_shows_the_wire_version_it_speaks() -> None:
+    """A router or an operator reads the wire version off a pod before pairing it: the label must be the code's."""
+    from kvconnect.core.wire.protocol import PROTOCOL_VERSION
+
+    for name in ("prefill.yaml", "decode.yaml"):
+        docs = [d for d in yaml.safe_load_all((ROOT / "deploy" / "base" / name).read_text()) if d]
+        templates = [d["spec"]["template"] for d in docs if d.get("kind") == "Deployment"]
+        assert templates, name
+        for t in templates:
+            assert t["metadata"]["labels"].get("kvconnect.io/wire-version") == str(PROTOCOL_VERSION), name

@@ -81,6 +81,8 @@ def test_signed_params_verify_and_every_signed_field_changed_fails() -> None:
         "remote_num_tokens": 41,
         "remote_prompt_digest": "02" * 16,
         "remote_expires_ms": NOW_MS + 10**9,
+        "transfer_mode": "push",
+        "remote_wire_version": 99,
     }
     for name, value in changes.items():
         with pytest.raises(InvalidRequestError, match="remote_mac: does not match"):
@@ -301,3 +303,30 @@ def test_a_peers_refusals_and_ids_never_reach_the_log_raw(caplog) -> None:
     assert any("malformed handshake answer" in line for line in lines), lines
     raw = [line for line in lines if any(c in line for c in "\n\r\x1b")]
     assert not raw, raw
+
+
+# --- the wire contract: readable in the params, checked before anything is dialled ----------------------------
+
+
+def test_params_say_how_they_are_read_and_a_decode_of_another_wire_version_refuses_them_before_dialling(
+    prefill,
+) -> None:
+    """vLLM's routers tell push from pull by `transfer_mode` (NixlPushConnector's params say "push"); kvconnect's
+    params also carry the wire version, so two releases that cannot pair are refused by the decode before any
+    handshake, naming both versions, instead of by the prefill's side channel after a dial."""
+    params = prefill.lease(rid(), [11], 16)
+    assert params.transfer_mode == "pull" and params.remote_wire_version == p.PROTOCOL_VERSION
+    keys = Keyring.parse("s3cret")
+    with decoder(secret="s3cret") as dec:
+        expires = params.remote_expires_ms or 0
+        older = sign_params(msgspec.structs.replace(params, remote_wire_version=p.PROTOCOL_VERSION - 1), keys, expires)
+        with pytest.raises(
+            InvalidRequestError, match=f"wire version {p.PROTOCOL_VERSION - 1}, this decode {p.PROTOCOL_VERSION}"
+        ):
+            dec.pull(older, [0])
+        pushed = sign_params(msgspec.structs.replace(params, transfer_mode="push"), keys, expires)
+        with pytest.raises(InvalidRequestError, match="transfer_mode: the prefill's params are for a 'push'"):
+            dec.pull(pushed, [0])
+        dec.wait_idle()
+        assert dec._decode.peers.all() == []  # (nothing dialled)
+    prefill.release(params.remote_lease_id)

@@ -31,6 +31,7 @@ from kvconnect.core.errors import InvalidRequestError
 from kvconnect.core.plan.groups import GroupedBlocks
 from kvconnect.core.plan.params import KVTransferParams, lease_params, new_lease_id, parse_kv_transfer_params
 from kvconnect.core.plan.signing import params_expiry_ms, sign_params
+from kvconnect.core.wire.protocol import PROTOCOL_VERSION
 from kvconnect.vllm.binding import prompt_binding
 from kvconnect.vllm.groups import NULL_BLOCK_ID, GroupMove, backoff
 from kvconnect.vllm.metadata import LeaseOrder, PullOrder, StepOrders, WorkerHello
@@ -231,6 +232,7 @@ class KVConnectScheduler:
             num_tokens=num_tokens,
             group_sizes=groups.wire_sizes(),
             prompt=binding,
+            wire_version=PROTOCOL_VERSION,
         )
         signed = sign_params(granted, config.keyring, params_expiry_ms(config.lease_ttl_s))
         return True, msgspec.to_builtins(signed)

@@ -46,7 +46,7 @@ from kvconnect.core.errors import (
     TransferTimeoutError,
 )
 from kvconnect.core.plan.groups import GroupedBlocks
-from kvconnect.core.plan.params import FIELD, KVTransferParams
+from kvconnect.core.plan.params import FIELD, TRANSFER_MODE, KVTransferParams
 from kvconnect.core.plan.signing import Keyring, verify_params
 from kvconnect.core.snapshot import Counters
 from kvconnect.core.transports.base import XferState
@@ -61,6 +61,14 @@ def trusted(params: KVTransferParams, keys: Keyring, prompt_digest: bytes | None
     another prompt (LeaseLostError, as the prefill would answer: the lease is not this prompt's to read, nor to
     end)."""
     verify_params(params, keys, int(time.time() * 1000))
+    if params.transfer_mode not in (None, TRANSFER_MODE):
+        why = f"the prefill's params are for a {params.transfer_mode!r} transfer; this decode pulls ({TRANSFER_MODE!r})"
+        raise InvalidRequestError(f"{FIELD}.transfer_mode", why)
+    if params.remote_wire_version not in (None, p.PROTOCOL_VERSION):
+        why = (
+            f"the prefill speaks kvconnect wire version {params.remote_wire_version}, this decode {p.PROTOCOL_VERSION}"
+        )
+        raise InvalidRequestError(f"{FIELD}.remote_wire_version", f"{why}: pair pods of one wire version")
     bound = params.remote_prompt_digest
     if prompt_digest is None or bound is None or bound == prompt_digest.hex():
         return

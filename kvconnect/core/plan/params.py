@@ -41,6 +41,7 @@ PULL_FIELDS = (
 MAX_TP_SIZE = 64  # a client-sent tp_size above this is refused before any peer is dialled (one per rank)
 MAX_ID_CHARS = 256  # remote_request_id / remote_lease_id / remote_engine_id: ids, not payloads
 LEASE_ID_BYTES = 18  # random bytes in a lease id (24 url-safe characters)
+TRANSFER_MODE = "pull"  # what kvconnect's params say in vLLM's `transfer_mode`: the decode READs the prefill's KV
 MAX_REMOTE_BLOCK_ID = 2**62  # remote ids are bounded by the remote spec at planning; this only keeps int64 sane
 _PRINTABLE = re.compile(r"[\x20-\x7e]*")  # printable ASCII, spaces included
 _TOKEN = re.compile(r"[\x21-\x7e]*")  # ... and without spaces
@@ -53,6 +54,7 @@ _ID_FIELDS = {
     "remote_prompt_digest": re.compile(r"[0-9a-f]*"),
     "remote_key_id": _TOKEN,
     "remote_mac": _TOKEN,
+    "transfer_mode": _TOKEN,
 }
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*\.?")
@@ -84,6 +86,10 @@ class KVTransferParams(msgspec.Struct):
     remote_expires_ms: int | None = None
     remote_key_id: str | None = None
     remote_mac: str | None = None
+    # the wire contract, readable before anything is dialled: vLLM's `transfer_mode` ("pull": the decode READs;
+    # vLLM's NixlPushConnector says "push") and the prefill's kvconnect wire version (`wire.protocol`)
+    transfer_mode: str | None = None
+    remote_wire_version: int | None = None
 
 
 PROMPT_DIGEST_BYTES = 16
@@ -148,6 +154,7 @@ def lease_params(
     num_tokens: int | None,
     group_sizes: list[int] | None = None,
     prompt: bytes = b"",
+    wire_version: int | None = None,
 ) -> KVTransferParams:
     """What a prefill hands a decode for one lease: the one place these params are assembled (the connector's
     `lease`, and the vLLM scheduler, which answers before its workers grant). `base_port` is TP rank 0's
@@ -165,6 +172,8 @@ def lease_params(
         remote_lease_id=lease_id,
         remote_group_sizes=group_sizes,
         remote_prompt_digest=prompt.hex() if prompt else None,
+        transfer_mode=TRANSFER_MODE,
+        remote_wire_version=wire_version,
     )
 
 

@@ -11,8 +11,9 @@ handshakes or pulls anything: they cost it nothing.
   move it first, then drop the old one). A key is named by its id, a digest of it (`key_id`), never by itself.
 - **What is signed.** An HMAC-SHA256 (`remote_mac`, under the key `remote_key_id`) over everything a decode acts on:
   the engine, its incarnation, host, port and TP size, the request's label, the lease id, the blocks per KV cache
-  group, the tokens they hold, the prompt binding (`remote_prompt_digest`) and the expiry (`remote_expires_ms`,
-  wall-clock milliseconds). A field changed, added or left out fails the check.
+  group, the tokens they hold, the prompt binding (`remote_prompt_digest`), the expiry (`remote_expires_ms`,
+  wall-clock milliseconds), the transfer mode and the wire version. A field changed, added or left out fails the
+  check.
 - **Without a secret** (one host, loopback side channels) params are neither signed nor checked.
 """
 
@@ -29,7 +30,7 @@ import msgspec
 from kvconnect.core.errors import InvalidRequestError
 from kvconnect.core.plan.params import FIELD, KVTransferParams
 
-MAC_VERSION = b"kvc-params-1"
+MAC_VERSION = b"kvc-params-2"
 CLOCK_SKEW_MS = 30_000  # hosts' clocks may differ this much: params expire this much later than they say
 
 
@@ -86,6 +87,8 @@ def _message(params: KVTransferParams) -> bytes:
             params.remote_prompt_digest or "",
             params.remote_expires_ms if params.remote_expires_ms is not None else -1,
             params.remote_key_id or "",
+            params.transfer_mode or "",
+            params.remote_wire_version if params.remote_wire_version is not None else -1,
         ]
     )
 

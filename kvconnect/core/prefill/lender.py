@@ -104,6 +104,7 @@ class Lender:
             num_tokens=num_tokens,
             group_sizes=groups.wire_sizes(),
             prompt=prompt_digest,
+            wire_version=p.PROTOCOL_VERSION,
         )
         return sign_params(params, self._keys, params_expiry_ms(self._config.lease_ttl_s))
 
