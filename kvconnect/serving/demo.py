@@ -86,8 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default="",
-        help="--engine vllm: a local Hugging Face checkpoint directory "
-        "(default: a tiny random Llama generated on the spot)",
+        help="--engine vllm: a local Hugging Face checkpoint directory (default: SmolLM2-135M-Instruct where "
+        "`bash scripts/dev.sh model` built it, answering a question set; else a tiny random Llama generated on "
+        "the spot)",
     )
 
 
