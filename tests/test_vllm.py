@@ -273,6 +273,32 @@ def test_a_decode_abort_frees_the_prefill_blocks(c: VllmCluster) -> None:
     poll_until(lambda: quiet(c), timeout_s=TTL_S / 2, what="the prefill's blocks free")
 
 
+def test_a_pull_past_its_deadline_is_answered_then_while_its_blocks_wait_for_the_read(c: VllmCluster) -> None:
+    """The prefill stops with the decode's READ in flight (UCX over TCP: nothing lands while it is stopped).
+    At the pull's deadline the fail-policy decode answers the request with an error, without waiting for the
+    READ, which cannot be cancelled; the decode blocks that READ may still write stay out of use until it ends,
+    once the prefill runs again. Then the pair serves correctly."""
+    prompt = prompt_of(400, seed=17)
+    want = reference(c, prompt)
+    assert decode_leg(c, "decode", prompt, prefill_leg(c, prompt))["token_ids"] == want  # (a ready peer)
+    params = prefill_leg(c, prompt)
+    stop_group(c, "prefill", signal.SIGSTOP)
+    try:
+        got = decode_leg(c, "decode", prompt, params, timeout_s=PULL_TIMEOUT_S + 60)
+        assert got["status"] == 500 and got["token_ids"] is None, got  # answered with the prefill still stopped
+        # (the request is gone, its blocks are not: the READ may still land in them)
+        assert metric_sum(c.urls["decode"], "vllm:num_requests_waiting") == 0
+        assert metric_sum(c.urls["decode"], "vllm:kv_cache_usage_perc") > 0
+    finally:
+        stop_group(c, "prefill", signal.SIGCONT)
+    poll_until(
+        lambda: metric_sum(c.urls["decode"], "vllm:kv_cache_usage_perc") == 0,
+        timeout_s=TTL_S,
+        what="the decode's blocks free once the abandoned READ ended",
+    )
+    assert decode_leg(c, "decode", prompt, prefill_leg(c, prompt))["token_ids"] == want
+
+
 def test_a_killed_prefill_fails_the_decode_leg_or_recomputes_never_hangs(c: VllmCluster) -> None:
     killed_prefill_fails_or_recomputes(c, prompt_of(500, seed=13), 3 * PULL_TIMEOUT_S)
 

@@ -61,6 +61,7 @@ class _Load:
     handle: PullHandle | None  # None: refused before it started (error set)
     error: KVConnectError | None = None
     requested_at: float = 0.0  # wall clock: the worker asked for the pull
+    answered: bool = False  # its blocks reported as failed while a given-up READ may still write them
 
 
 class KVConnectWorker:
@@ -256,14 +257,22 @@ class KVConnectWorker:
                         continue
                 except KVConnectError as e:
                     self._failed(load, e)
+            single_group = len(load.order.local_block_ids) == 1
             if load.error is not None and load.handle is not None and not load.handle.settled():
-                continue  # an abandoned READ may still write into these blocks
+                # A given-up READ may still write into these blocks: the request is not reported finished
+                # receiving until it ends. With one KV cache group its blocks are reported invalid now, so
+                # vLLM answers the request at the deadline (policy "fail") while it keeps the blocks: a request
+                # finished before its receive is reported keeps them until then.
+                if single_group and not load.answered:
+                    load.answered = True
+                    self._load_errors.update(load.order.local_block_ids[0])
+                continue
             del self._loads[rid]
             recving.add(rid)
             self._report_timeline(load)
             if load.error is not None:
                 failed.add(rid)
-                if len(load.order.local_block_ids) == 1 or not self._failed_requests:
+                if (single_group or not self._failed_requests) and not load.answered:
                     self._load_errors.update(b for group in load.order.local_block_ids for b in group)
         with self._lock:
             sending = self._ended & self._seen_finished
