@@ -1,6 +1,6 @@
 """The failure table's machinery (tests/test_vllm_failures.py): the connectors compared, the servers each runs,
-one aggregated reference for every answer, requests judged against it, the rows recorded, and two network
-namespaces joined by a veth whose link a test can cut.
+one aggregated reference for every answer, requests judged against it, the rows recorded, and the columns'
+servers on two network namespaces joined by a veth whose link a test can cut (`kvconnect.harness.netns`).
 
 A column is one connector at its default settings: kvconnect (`KVConnectConnector`), vLLM's NixlConnector and
 vLLM's NixlPushConnector, the two NIXL ones with their thread pinning undone (`kvconnect.bench.nixl_fair`: on a
@@ -25,29 +25,27 @@ An answer is judged against the aggregated server's answer to the same prompt (g
 from __future__ import annotations
 
 import base64
-import concurrent.futures as cf
-import ctypes
 import io
 import json
 import os
-import secrets
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 
 from kvconnect.harness.net import free_port, poll_until
+from kvconnect.harness.netns import Hosts
+from kvconnect.harness.netns import NetnsCluster as NetnsCluster  # (re-exported for the failure table)
+from kvconnect.harness.netns import enter_netns as enter_netns
+from kvconnect.harness.netns import ip as ip
+from kvconnect.harness.netns import netns_unavailable as netns_unavailable
 from kvconnect.harness.tiny_llama import TinyLlama, build, prompt_of
 from kvconnect.harness.vllm_cluster import Server, VllmCluster, connector_json
 from tests.faultkit import metric_sum
 from tests.helpers import VLLM_DTYPE
-
-T = TypeVar("T")
 
 MAX_TOKENS = 8
 MAX_MODEL_LEN = 2048
@@ -390,137 +388,7 @@ def permute_prefill_blocks(tamper_dir: Path, block_ids: list[int], nudge: Callab
     done.unlink()
 
 
-# --- two hosts: network namespaces joined by a veth ----------------------------------------------------
-
-NS_PREFIX = "kvft-"
-CLONE_NEWNET = 0x40000000
-
-
-def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-    if check and out.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
-    return out
-
-
-def netns_unavailable() -> str | None:
-    import shutil
-
-    if sys.platform != "linux":
-        return "network namespaces are Linux only"
-    if os.geteuid() != 0:
-        return "creating network namespaces needs root"
-    if shutil.which("ip") is None:
-        return "the `ip` command (iproute2) is not installed"
-    return None
-
-
-def enter_netns(name: str) -> None:
-    """Move the calling thread (only it) into network namespace `name`."""
-    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns({name}): {os.strerror(err)}")
-    finally:
-        os.close(fd)
-
-
-@dataclass
-class Hosts:
-    """Two namespaces, "prefill" and "decode", joined by a veth pair; a thread pool inside each."""
-
-    prefill_ns: str
-    decode_ns: str
-    prefill_dev: str
-    decode_dev: str
-    prefill_addr: str = "10.78.0.1"
-    decode_addr: str = "10.78.0.2"
-    pools: dict[str, cf.ThreadPoolExecutor] = field(default_factory=dict)
-
-    @classmethod
-    def make(cls) -> Hosts:
-        for name in ip("netns", "list", check=False).stdout.split():  # namespaces a killed run left
-            if name.startswith(NS_PREFIX):
-                pid = name[len(NS_PREFIX) :].split("-", 1)[0]
-                if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-                    ip("netns", "del", name, check=False)
-        token = secrets.token_hex(3)
-        base = f"{NS_PREFIX}{os.getpid()}-{token}"
-        h = cls(f"{base}-p", f"{base}-d", f"kfp{token}", f"kfd{token}")
-        made = []
-        try:
-            for ns in (h.prefill_ns, h.decode_ns):
-                ip("netns", "add", ns)
-                made.append(ns)
-            ip("link", "add", h.prefill_dev, "netns", h.prefill_ns, "type", "veth", "peer", "name", h.decode_dev)
-            ip("link", "set", h.decode_dev, "netns", h.decode_ns)
-            for ns, dev, addr in (
-                (h.prefill_ns, h.prefill_dev, h.prefill_addr),
-                (h.decode_ns, h.decode_dev, h.decode_addr),
-            ):
-                ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-                ip("-n", ns, "link", "set", "lo", "up")
-                ip("-n", ns, "link", "set", dev, "up")
-            for ns in (h.prefill_ns, h.decode_ns):
-                h.pools[ns] = cf.ThreadPoolExecutor(16, thread_name_prefix=ns, initializer=enter_netns, initargs=(ns,))
-        except BaseException:
-            for ns in made:
-                ip("netns", "del", ns, check=False)
-            raise
-        return h
-
-    def cut(self) -> None:
-        ip("-n", self.prefill_ns, "link", "set", "dev", self.prefill_dev, "down")
-
-    def restore(self) -> None:
-        ip("-n", self.prefill_ns, "link", "set", "dev", self.prefill_dev, "up")
-
-    def call(self, ns: str, fn: Callable[..., T], *args: Any, **kw: Any) -> cf.Future[T]:
-        return self.pools[ns].submit(fn, *args, **kw)
-
-    def remove(self) -> None:
-        for pool in self.pools.values():
-            pool.shutdown(wait=False, cancel_futures=True)
-        for ns in (self.prefill_ns, self.decode_ns):  # (deleting a namespace destroys its veth end, and the pair)
-            ip("netns", "del", ns, check=False)
-
-
-class NetnsCluster(VllmCluster):
-    """A VllmCluster whose servers run in the namespaces `where` names (server -> namespace); their HTTP is on
-    the namespace's own loopback, reached from a thread inside it."""
-
-    def __init__(self, *args: Any, hosts: Hosts, where: dict[str, str], **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.hosts = hosts
-        self.where = where
-
-    def _command(self, server: Server, port: int) -> list[str]:
-        return ["ip", "netns", "exec", self.where[server.name], *super()._command(server, port)]
-
-    def call(self, name: str, fn: Callable[..., T], *args: Any, **kw: Any) -> cf.Future[T]:
-        """fn(*args) on a thread in the namespace of server `name`."""
-        return self.hosts.call(self.where[name], fn, *args, **kw)
-
-    def wait_healthy(self, names: list[str], timeout_s: float = 420.0) -> None:
-        def healthy(url: str) -> bool:
-            try:
-                return httpx.get(url + "/health", timeout=2.0).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        deadline = time.monotonic() + timeout_s
-        pending = set(names)
-        while pending:
-            for name in sorted(pending):
-                if self.procs[name].poll() is not None:
-                    raise RuntimeError(f"{name} exited while starting:\n{self.log_tail(name)}")
-                if self.call(name, healthy, self.urls[name]).result(10):
-                    pending.discard(name)
-            if pending and time.monotonic() > deadline:
-                raise RuntimeError(f"not healthy within {timeout_s:.0f}s: {sorted(pending)}")
-            time.sleep(0.25)
+# --- two hosts: kvconnect.harness.netns (Hosts, NetnsCluster), the columns' servers on them -----------
 
 
 def netns_servers(column: Column, hosts: Hosts, secret_file: Path) -> list[Server]:

@@ -23,6 +23,9 @@ GEOMETRIES: dict[str, tuple[Any, ...]] = {
     "tiny": (256, 8, 4, 4, 512),  # hidden, heads, kv heads, layers, intermediate -> head_dim 32
     "kv8x128": (1024, 8, 8, 4, 1024),  # head_dim 128: one 32-token block is 128 KiB per layer in bf16
     "llama8b-kv": (1024, 8, 8, 32, 1024),  # Llama-3-8B's KV cache (32 layers x 8 KV heads x 128), small otherwise
+    # KV-heavy, compute-light: 24 layers x 2 KV heads x 128 (MHA, head_dim 128 on a 256 hidden, 256 MLP): 24 KiB of
+    # KV per token in bf16, 48 KiB in float32, for the least prefill work per KV byte moved
+    "kv-heavy": (256, 2, 2, 24, 256),
     "tiny-swa": (256, 8, 4, 4, 512, 2048, 8192, 0, 64),  # Gemma 3 style: window of 64 tokens on layers 0 and 2
     # the sliding-window edge (a window that is not a multiple of the block size, and one that is): Gemma 2's
     # S F S F with a 48-token window, Gemma 3's S S F S S F with a 64-token one
