@@ -71,7 +71,7 @@ from kvconnect.bench.vllm_pd import scrape_sums
 from kvconnect.harness.netns import Hosts, NetnsCluster, netns_unavailable
 from kvconnect.harness.tiny_llama import TinyLlama, build
 from kvconnect.harness.vllm_cluster import Server, connector_json
-from kvconnect.verdict.ucx_tables import parse_proto_tables
+from kvconnect.verdict.ucx_tables import remote_memory_lines
 
 MODEL = "kv-heavy"
 DTYPE = "float32"
@@ -217,15 +217,12 @@ def run_target(target: str, run: int, hosts: Hosts, model: Path, args: argparse.
 
 
 def byte_paths(log_root: Path) -> dict[str, list[str]]:
-    """Per server log, UCX's protocol lines for remote memory (READ and WRITE):
-    "<operation> | <range> | <how> | <lanes>"."""
-    out: dict[str, list[str]] = {}
-    for path in sorted(log_root.glob("*/*.log")):
-        rows = [r for r in parse_proto_tables(path.read_text(errors="replace")) if "remote memory" in r.operation]
-        seen = dict.fromkeys(f"{r.operation} | {r.range} | {r.description} | {r.config}" for r in rows)
-        if seen:
-            out[f"{path.parent.name}/{path.stem}"] = list(seen)
-    return out
+    """Per server log that has any, UCX's protocol lines for remote memory (READ and WRITE)."""
+    logs = {
+        f"{p.parent.name}/{p.stem}": remote_memory_lines(p.read_text(errors="replace"))
+        for p in log_root.glob("*/*.log")
+    }
+    return {name: lines for name, lines in sorted(logs.items()) if lines}
 
 
 def table(rows: list[dict]) -> str:

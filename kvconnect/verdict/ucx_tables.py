@@ -95,3 +95,21 @@ def read_transports(rows: list[ProtoUse]) -> tuple[tuple[str, ...], tuple[str, .
     configs = [r.config for r in used]
     descriptions = [r.description for r in used]
     return tuple(dict.fromkeys(transports)), tuple(dict.fromkeys(configs)), ", ".join(dict.fromkeys(descriptions))
+
+
+def remote_memory_lines(text: str) -> list[str]:
+    """UCX's protocol lines for remote memory (READ by ucp_get*, WRITE by ucp_put*) in one log, each once and in
+    order: "<operation> | <range> | <how> | <lanes>". Needs the process to have run with `UCX_PROTO_INFO=y`."""
+    rows = [r for r in parse_proto_tables(text) if "remote memory" in r.operation]
+    return list(dict.fromkeys(f"{r.operation} | {r.range} | {r.description} | {r.config}" for r in rows))
+
+
+def format_byte_paths(paths: dict[str, list[str]]) -> str:
+    """`remote_memory_lines` of several logs as text: one "<log>: <line>" per line; a log without any says so."""
+    out = [f"{name}: {line}" for name, lines in paths.items() for line in lines]
+    out += [
+        f"{name}: no remote-memory protocol line (UCX_PROTO_INFO unset, or no transfer)"
+        for name, lines in paths.items()
+        if not lines
+    ]
+    return "\n".join(out)
