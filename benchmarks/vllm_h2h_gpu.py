@@ -2,7 +2,8 @@
 `transport: nixl`) against vLLM's NixlConnector and NixlPushConnector, each on the best byte path it can take.
 
     python benchmarks/vllm_h2h_gpu.py OUT_DIR [--reps 8] [--lengths 512,1024,2048,4096]
-                                      [--pairs kvconnect,kvconnect-nixl,nixl,push] [--ucx-default] [--enforce-eager]
+                                      [--pairs kvconnect,kvconnect-nixl-board,nixl,push] [--ucx-default]
+                                      [--enforce-eager]
 
 vLLM's default mode (compiled, CUDA graphs) unless --enforce-eager. A model with Llama-3-8B's KV cache (32
 layers x 8 KV heads x 128, bf16: 128 KiB per token, 512 MiB at 4,096 tokens), random weights, small otherwise
@@ -33,7 +34,7 @@ import uuid
 from pathlib import Path
 
 from kvconnect.bench.ceiling import CopyCeiling
-from kvconnect.bench.gpu_pd import PAIRS, VLLM, deltas, pair_servers, summary, transfer_side
+from kvconnect.bench.gpu_pd import VLLM, deltas, pair_servers, summary, transfer_side
 from kvconnect.bench.vllm_pd import scrape_sums
 from kvconnect.harness.tiny_llama import TinyLlama, build
 from kvconnect.harness.vllm_cluster import Server, VllmCluster, generate
@@ -48,7 +49,11 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM's eager mode (default: compiled, CUDA graphs)")
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--lengths", default="512,1024,2048,4096")
-    ap.add_argument("--pairs", default=",".join(PAIRS), help="which pairs to start and measure")
+    ap.add_argument(
+        "--pairs",
+        default="kvconnect,kvconnect-nixl-board,nixl,push",
+        help="which pairs to start and measure (gpu_pd.py's PAIRS; kvconnect-nixl: the lease board off)",
+    )
     ap.add_argument("--output", type=int, default=32, help="tokens each decode leg generates")
     ap.add_argument("--ucx-default", action="store_true", help="leave UCX's cuda_ipc GET as UCX sets it")
     args = ap.parse_args()

@@ -4,7 +4,13 @@ per-request deltas of vLLM's own /metrics.
 The pairs, each a prefill and a decode server with the same flags:
 
 - `kvconnect`: kvconnect's plug-in as shipped (`transport: auto`: same-host GPU peers use its CUDA IPC gather);
-- `kvconnect-nixl`: the plug-in with `transport: nixl` (every pull a NIXL READ, as across nodes);
+- `kvconnect-samehost`: the same servers as `kvconnect`, named for the path they take (in runs that also measure
+  the NIXL path);
+- `kvconnect-nixl`: the plug-in as pods on different nodes run it: `transport: nixl` (every pull a NIXL READ) and
+  `lease_board: false` (the board lives in the host's shared memory, which two nodes do not share: every pull
+  waits for its PIN's answer);
+- `kvconnect-nixl-board`: `transport: nixl` with the lease board on (what `kvconnect-nixl` was before the board
+  was turned off in it: results/gpu/h2h-fair run11);
 - `nixl`: vLLM's NixlConnector (the decode READs);
 - `push`: vLLM's NixlPushConnector (the prefill WRITEs into the blocks the decode registered; both legs must carry
   the same request id, and its transfer telemetry is on the prefill's /metrics).
@@ -20,7 +26,14 @@ from typing import Any
 
 from kvconnect.harness.vllm_cluster import Server, connector_json, kvconnect_config
 
-PAIRS = ("kvconnect", "kvconnect-nixl", "nixl", "push")
+PAIRS = ("kvconnect", "kvconnect-samehost", "kvconnect-nixl", "kvconnect-nixl-board", "nixl", "push")
+# the plug-in's kv_connector_extra_config per kvconnect pair ({}: as shipped)
+KVCONNECT_EXTRA: dict[str, dict[str, Any]] = {
+    "kvconnect": {},
+    "kvconnect-samehost": {},
+    "kvconnect-nixl": {"transport": "nixl", "lease_board": False},
+    "kvconnect-nixl-board": {"transport": "nixl"},
+}
 # histograms read per request from /metrics: short name -> metric (vLLM's own, then each connector's)
 VLLM = {
     "queue_s": "vllm:request_queue_time_seconds",
@@ -51,10 +64,9 @@ def pair_servers(name: str, args: list[str], ucx_default: bool = False, port: in
     out = []
     for i, role in enumerate(("kv_producer", "kv_consumer")):
         side = "prefill" if role == "kv_producer" else "decode"
-        if name == "kvconnect":
-            cfg, env = kvconnect_config(role), {}
-        elif name == "kvconnect-nixl":
-            cfg, env = kvconnect_config(role, {"transport": "nixl"}), dict(ucx)
+        if name in KVCONNECT_EXTRA:
+            extra = KVCONNECT_EXTRA[name]
+            cfg, env = kvconnect_config(role, extra or None), (dict(ucx) if extra.get("transport") == "nixl" else {})
         elif name in ("nixl", "push"):
             connector = "NixlConnector" if name == "nixl" else "NixlPushConnector"
             cfg, env = connector_json(connector, role), {**ucx, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + 100 * i)}
@@ -62,6 +74,11 @@ def pair_servers(name: str, args: list[str], ucx_default: bool = False, port: in
             raise ValueError(f"unknown pair {name!r}; known: {', '.join(PAIRS)}")
         out.append(Server(f"{name}-{side}", cfg, args=args, env=env))
     return out
+
+
+def moves_by_nixl(name: str) -> bool:
+    """Whether pair `name` moves its bytes with NIXL (its servers then log UCX's protocol lines)."""
+    return name in ("nixl", "push") or KVCONNECT_EXTRA.get(name, {}).get("transport") == "nixl"
 
 
 def transfer_side(name: str) -> tuple[str, dict[str, str]]:
