@@ -5,6 +5,7 @@ real vLLM (CPU build), float32, greedy, 8 tokens.
 
     python benchmarks/swa_edge.py OUT [--grid tiny-gemma2-w48:32,tiny-gemma3-w64:32,...] [--edges 2]
         [--before DIR]      # also kvconnect from another checkout (its bytes per request: before a change)
+        [--prompts shared|fresh]   # one text cut at every length (prefix caches warm), or a text per length
 
 Per (model, block size): the aggregated server's answers first (alone), then each connector's prefill and decode
 servers. Writes OUT/swa_edge.json and prints one row per (model, block, length, connector): tokens equal, the
@@ -60,15 +61,30 @@ def tokenize(url: str, text: str) -> list[int]:
     return r.json()["tokens"]  # type: ignore[no-any-return]
 
 
-def references(ckpt: str, block: int, lengths: list[int], log_dir: Path) -> tuple[list[int], dict[int, Any]]:
+def references(
+    ckpt: str, block: int, lengths: list[int], log_dir: Path, prompts: str
+) -> tuple[dict[int, list[int]], dict[int, Any]]:
+    """The prompt of each length and the aggregated server's answer to it. `prompts`: "shared" (one text, cut at
+    each length in turn: the servers' prefix caches hold the shorter lengths' blocks when a longer one comes, as
+    under real traffic) or "fresh" (a text of its own per length: every pull moves the whole prompt)."""
+
+    def text(n: int) -> str:
+        return prompt_of(4000, seed=51 + (n if prompts == "fresh" else 0))
+
     with VllmCluster(ckpt, [Server("aggregated", None, core=0)], str(log_dir), dtype=DTYPE, block_size=block) as c:
-        ids = tokenize(c.urls["aggregated"], prompt_of(4000, seed=51))
-        want = {n: generate(c.urls["aggregated"], ids[:n], MAX_TOKENS, extra={"logprobs": 1}) for n in lengths}
+        ids = {n: tokenize(c.urls["aggregated"], text(n))[:n] for n in lengths}
+        want = {n: generate(c.urls["aggregated"], ids[n], MAX_TOKENS, extra={"logprobs": 1}) for n in lengths}
     return ids, want
 
 
 def pd_rows(
-    connector: str, ckpt: str, block: int, ids: list[int], want: dict[int, Any], log_dir: Path, env: dict[str, str]
+    connector: str,
+    ckpt: str,
+    block: int,
+    ids: dict[int, list[int]],
+    want: dict[int, Any],
+    log_dir: Path,
+    env: dict[str, str],
 ) -> list[dict[str, Any]]:
     cls, module, extra = CONNECTORS["kvconnect" if connector.startswith("kvconnect") else connector]
     servers = [
@@ -84,10 +100,10 @@ def pd_rows(
     rows = []
     with VllmCluster(ckpt, servers, str(log_dir), dtype=DTYPE, block_size=block) as c:
         for n, ref in want.items():
-            leg = generate(c.urls["prefill"], ids[:n], 1, extra={"kv_transfer_params": {"do_remote_decode": True}})
+            leg = generate(c.urls["prefill"], ids[n], 1, extra={"kv_transfer_params": {"do_remote_decode": True}})
             before = metric(c.urls["decode"], pulled)
             extra_body = {"logprobs": 1, "kv_transfer_params": leg["kv_transfer_params"]}
-            got = generate(c.urls["decode"], ids[:n], MAX_TOKENS, extra=extra_body)
+            got = generate(c.urls["decode"], ids[n], MAX_TOKENS, extra=extra_body)
             diffs = [abs(a - b) for a, b in zip(got["logprobs"] or [], ref["logprobs"] or [], strict=False)]
             rows.append(
                 {
@@ -109,6 +125,7 @@ def main() -> int:
     ap.add_argument("--edges", type=int, default=2, help="edge lengths per configuration (each with neighbours)")
     ap.add_argument("--connectors", default="kvconnect,nixl")
     ap.add_argument("--before", type=Path, help="another kvconnect checkout, run as the connector 'kvconnect-before'")
+    ap.add_argument("--prompts", choices=("shared", "fresh"), default="shared", help="see `references`")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -119,7 +136,8 @@ def main() -> int:
         model = TinyLlama.named(name)
         ckpt = str(build(args.out / "models" / name, model))
         lengths = edge_lengths(model.sliding_window, int(block), args.edges)
-        ids, want = references(ckpt, int(block), lengths, args.out / "logs" / f"{name}-{block}-aggregated")
+        log_dir = args.out / "logs" / f"{name}-{block}-aggregated"
+        ids, want = references(ckpt, int(block), lengths, log_dir, args.prompts)
         for connector in connectors:
             env = {"PYTHONPATH": str(args.before)} if connector == "kvconnect-before" else {}
             log_dir = args.out / "logs" / f"{name}-{block}-{connector}"
@@ -133,7 +151,8 @@ def main() -> int:
                     f"{'-' if diff is None else f'{diff:.6f}'}  {row['bytes']:,.0f} B",
                     flush=True,
                 )
-    (args.out / "swa_edge.json").write_text(json.dumps({"grid": args.grid, "rows": results}, indent=1))
+    summary = {"grid": args.grid, "prompts": args.prompts, "rows": results}
+    (args.out / "swa_edge.json").write_text(json.dumps(summary, indent=1))
     bad = [
         r for r in results if r["connector"] == "kvconnect" and not (r["tokens_equal"] and r["max_logprob_diff"] == 0)
     ]
