@@ -36,13 +36,16 @@ thread polls without sleeping (NIXL's `pthrDelay` 0) and would take a core from 
 run shuffles the target order with a printed seed; `--runs` repeats the whole grid. The client: vLLM's random
 dataset, inputs of `input_len * (1 +- range_ratio)` tokens (512-1,536 by default), `--output-len` tokens out with
 EOS ignored, Poisson arrivals at each rate, at most `--concurrency` requests in flight, `--prompts-per-rate`
-requests after 2 warm-ups. The model: `kv-heavy` (`kvconnect/harness/tiny_llama.py`: 24 layers x 2 KV heads x 128,
-hidden 256, float32: 48 KiB of KV per token, 48 MiB for a 1,024-token prompt; random weights).
+requests. Each (run, rate) draws its prompts from a seed of its own (`--seed` + 1000 x run + rate index; the same
+for every target), so no request finds its prompt's blocks in a prefix cache; after each pair starts, two warm-up
+requests of other prompts go first, unmeasured. The model: `kv-heavy` (`kvconnect/harness/tiny_llama.py`: 24
+layers x 2 KV heads x 128, hidden 256, float32: 48 KiB of KV per token, 48 MiB for a 1,024-token prompt; random
+weights).
 
 Per target, rate and run: p50/p99 TTFT and ITL, request throughput, failed requests (vLLM's result), and from the
 decode's /metrics (kvconnect's `vllm:kvconnect_*`, NixlConnector's `vllm:nixl_*` histograms) pulls, bytes and
 descriptors per pull and the mean transfer time (kvconnect's `xfer_time`: posting + READ; NixlConnector's: its
-READ posted -> done), the client's 2 warm-ups included; the ceiling: one thread's numpy copy of the mean pull's bytes
+READ posted -> done), warm-ups excluded; the ceiling: one thread's numpy copy of the mean pull's bytes
 in this process right after (best of 6), and each transfer time as a multiple of it. Writes `serve.json`,
 `serve.txt` (the table with min-max over runs), a plot per metric (`<metric>.png`), vLLM's result files under
 `runs/` and the servers' logs under `logs/`.
@@ -114,14 +117,29 @@ def pair(target: str, hosts: Hosts, secret_file: Path) -> list[Server]:
     return out
 
 
-def bench(c: NetnsCluster, url: str, model: Path, args: argparse.Namespace, out: Path, rate: float) -> dict:
-    """One `vllm bench serve` run against `url`, from the decode host; returns vLLM's result (its JSON file)."""
+WARMUP_SEED = 999_999  # (far from every measured request's seed)
+
+
+def bench(
+    c: NetnsCluster,
+    url: str,
+    model: Path,
+    args: argparse.Namespace,
+    out: Path,
+    rate: float,
+    seed: int,
+    num_prompts: int | None = None,
+) -> dict:
+    """One `vllm bench serve` run against `url`, from the decode host; returns vLLM's result (its JSON file).
+    `seed` picks the prompts: a seed used once per server lifetime, so no prompt finds its blocks in a prefix
+    cache (the same seed for every target of a run and rate: each target serves the same prompts)."""
     cmd = ["ip", "netns", "exec", c.where["decode"], sys.executable, "-c", BENCH_SERVE, "--backend", "vllm"]
     cmd += ["--base-url", url, "--endpoint", "/v1/completions", "--model", "tiny", "--tokenizer", str(model)]
     cmd += ["--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len"]
     cmd += [str(args.output_len), "--random-range-ratio", json.dumps({"input": args.range_ratio, "output": 0.0})]
-    cmd += ["--num-prompts", str(args.prompts_per_rate), "--ignore-eos", "--seed", str(args.seed), "--disable-tqdm"]
-    cmd += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--num-warmups", "2"]
+    count = args.prompts_per_rate if num_prompts is None else num_prompts
+    cmd += ["--num-prompts", str(count), "--ignore-eos", "--seed", str(seed), "--disable-tqdm"]
+    cmd += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--num-warmups", "0"]
     cmd += ["--request-rate", str(rate), "--max-concurrency", str(args.concurrency)]
     cmd += ["--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -197,10 +215,15 @@ def run_target(target: str, run: int, hosts: Hosts, model: Path, args: argparse.
         c.add_proxy("proxy", "prefill", ["decode"])
         c.wait_healthy(["proxy"])
         print(f"run {run} {target}: healthy after {time.monotonic() - t0:.0f} s", flush=True)
-        for rate in args.rates:
+        runs_dir = args.out / "runs"
+        # (two requests of prompts no measured request has, one at a time: the handshake and the first pull's
+        # set-up happen here, not in the first measured request)
+        bench(c, c.urls["proxy"], model, args, runs_dir / f"run{run}-{target}-warmup.json", 1.0, WARMUP_SEED, 2)
+        for i, rate in enumerate(args.rates):
             t1 = time.monotonic()
             before = decode_counts(c, target)
-            r = bench(c, c.urls["proxy"], model, args, args.out / "runs" / f"run{run}-{target}-rate{rate:g}.json", rate)
+            seed = args.seed + 1000 * run + i
+            r = bench(c, c.urls["proxy"], model, args, runs_dir / f"run{run}-{target}-rate{rate:g}.json", rate, seed)
             time.sleep(1.0)  # (the decode's stats reach /metrics a step after the pull)
             row: dict[str, Any] = {"run": run, "target": target, "rate": rate}
             row.update({k: r.get(k) for k in ("completed", "failed", *METRICS)})
