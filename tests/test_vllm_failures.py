@@ -133,6 +133,14 @@ class Setup:
         """The watched counters of these servers (default: all)."""
         return counters({n: u for n, u in self.cluster.urls.items() if not names or n in names})
 
+    def decode_counted(
+        self, prompt: list[int], params: dict[str, Any], request_id: str, name: str = "decode"
+    ) -> tuple[Verdict, dict[str, float], dict[str, float]]:
+        """`decode`'s verdict, with every server's watched counters read just before and just after it."""
+        before = self.counters()
+        _, v = self.decode(prompt, params, request_id, name=name)
+        return v, before, self.counters()
+
     def nudge(self) -> None:
         """Make the prefill step once (a plain 1-token request)."""
         assert complete(self.url("prefill"), [5, 6, 7], 1).status == 200
@@ -345,9 +353,7 @@ def test_out_of_range_block_ids(request: pytest.FixtureRequest, pd: Setup, colum
         **params,
         "remote_block_ids": edit_ids(params["remote_block_ids"], lambda i, b: PREFILL_BLOCKS + 1000 + i),
     }
-    before = pd.counters()
-    _, v = pd.decode(prompt, forged, rid)
-    after = pd.counters()
+    v, before, after = pd.decode_counted(prompt, forged, rid)
     row(request, column, "1", "out-of-range block ids", v, counted(before, after))
     assert_kvconnect_refused(column, v, before, after, "InvalidRequestError(remote_block_ids)", "LeaseLostError")
 
@@ -359,9 +365,7 @@ def test_consumed_reference_reused(request: pytest.FixtureRequest, pd: Setup, co
     params = pd.prefill_leg(prompt, rid)
     _, first = pd.decode(prompt, params, rid)
     assert first.verdict == "correct" or column.nixl, first
-    before = pd.counters()
-    _, v = pd.decode(prompt, params, rid)
-    after = pd.counters()
+    v, before, after = pd.decode_counted(prompt, params, rid)
     row(request, column, "2", "consumed reference reused", v, f"first use: {first.verdict}; " + counted(before, after))
     assert_kvconnect_refused(column, v, before, after, "LeaseLostError")
 
@@ -371,9 +375,7 @@ def test_unknown_request_id(request: pytest.FixtureRequest, pd: Setup, column: C
     prompt, rid = pd.table.prompt(), pd.request_id()
     params = pd.prefill_leg(prompt, rid)
     unknown = f"cmpl-unknown-{secrets.token_hex(4)}-0"
-    before = pd.counters()
-    _, v = pd.decode(prompt, {**params, "remote_request_id": unknown}, unknown)
-    after = pd.counters()
+    v, before, after = pd.decode_counted(prompt, {**params, "remote_request_id": unknown}, unknown)
     row(request, column, "4", "unknown request id", v, counted(before, after))
     if not column.nixl:  # (kvconnect: the request id is the lease's label; its key is the lease id)
         assert v.verdict == "correct", v
@@ -383,9 +385,8 @@ def test_unknown_request_id(request: pytest.FixtureRequest, pd: Setup, column: C
     if not column.nixl:
         prompt, rid = pd.table.prompt(), pd.request_id()
         params = pd.prefill_leg(prompt, rid)
-        before = pd.counters()
-        _, v = pd.decode(prompt, {**params, "remote_lease_id": "lease-" + secrets.token_hex(8)}, rid)
-        after = pd.counters()
+        forged = {**params, "remote_lease_id": "lease-" + secrets.token_hex(8)}
+        v, before, after = pd.decode_counted(prompt, forged, rid)
         row(request, column, "4b", "unknown lease id", v, counted(before, after))
         assert_kvconnect_refused(column, v, before, after, "LeaseLostError")
 
@@ -407,9 +408,7 @@ def test_lease_expiry(request: pytest.FixtureRequest, pd: Setup, column: Column)
     kv_lease_duration, 30 s; both defaults); nothing has rewritten the blocks yet."""
     wait_for_the_aged_leases(pd)
     prompt, params, rid = pd.aged["expiry"]
-    before = pd.counters()
-    _, v = pd.decode(prompt, params, rid)
-    after = pd.counters()
+    v, before, after = pd.decode_counted(prompt, params, rid)
     row(request, column, "5", "lease expiry", v, counted(before, after))
     assert_kvconnect_refused(column, v, before, after, "LeaseLostError")
 
@@ -431,9 +430,7 @@ def test_stale_reference_after_the_blocks_were_reused(
     wait_for_the_aged_leases(pd)
     rewrite_prefill_cache(pd)
     prompt, params, rid = pd.aged["stale"]
-    before = pd.counters()
-    _, v = pd.decode(prompt, params, rid)
-    after = pd.counters()
+    v, before, after = pd.decode_counted(prompt, params, rid)
     row(request, column, "3", "stale reference, blocks reused", v, counted(before, after))
     assert_kvconnect_refused(column, v, before, after, "LeaseLostError")
 
@@ -471,9 +468,7 @@ def test_params_naming_another_engine(request: pytest.FixtureRequest, pd: Setup,
     """8b. The params name an engine id the prefill at that address is not."""
     prompt, rid = pd.table.prompt(), pd.request_id()
     params = pd.prefill_leg(prompt, rid)
-    before = pd.counters()
-    _, v = pd.decode(prompt, {**params, "remote_engine_id": "forged-" + secrets.token_hex(8)}, rid)
-    after = pd.counters()
+    v, before, after = pd.decode_counted(prompt, {**params, "remote_engine_id": "forged-" + secrets.token_hex(8)}, rid)
     row(request, column, "8b", "forged: another engine", v, counted(before, after))
     if not column.nixl:
         assert v.verdict in ("refused", "recomputed"), v
@@ -494,9 +489,7 @@ def test_permuted_kv(request: pytest.FixtureRequest, pd: Setup, column: Column) 
         prompt, rid = pd.table.prompt(), pd.request_id()
         params = pd.prefill_leg(prompt, rid)
         permute_prefill_blocks(pd.tamper_dir, flat_ids(params["remote_block_ids"]), pd.nudge)
-        before = pd.counters()
-        _, v = pd.decode(prompt, params, rid, name=decode)
-        after = pd.counters()
+        v, before, after = pd.decode_counted(prompt, params, rid, name=decode)
         what = "permuted KV (kvconnect: kv_digest on)" if decode == "decode-d" else "permuted KV (no check)"
         if case == "9'":
             what = "permuted KV, kv_digest off (kvconnect's default)"
@@ -515,9 +508,7 @@ def test_embeddings_swap(request: pytest.FixtureRequest, pd: Setup, column: Colu
     a, q = pd.table.prompt(), pd.table.prompt()
     rid = pd.request_id()
     params = pd.prefill_leg(None, rid, embeds=embeds_of(pd.table.model, a))
-    before = pd.counters()
-    _, v = pd.decode(q, params, rid)
-    after = pd.counters()
+    v, before, after = pd.decode_counted(q, params, rid)
     row(request, column, "10", "embeddings swap", v, counted(before, after))
     again = judge(complete(pd.url("decode"), q), pd.table.ref.answer(q))  # (no params: nothing to load)
     row(request, column, "10b", "the swapped prompt again, alone", again, "")
@@ -530,9 +521,7 @@ def test_lora_swap(request: pytest.FixtureRequest, pd: Setup, column: Column) ->
     model (the decode serves no adapter) with those params; then the prompt again, alone, on the same decode."""
     prompt, rid = pd.table.prompt(), pd.request_id()
     params = pd.prefill_leg(prompt, rid, model=LORA)
-    before = pd.counters()
-    _, v = pd.decode(prompt, params, rid)
-    after = pd.counters()
+    v, before, after = pd.decode_counted(prompt, params, rid)
     row(request, column, "10c", "LoRA swap", v, counted(before, after))
     again = judge(complete(pd.url("decode"), prompt), pd.table.ref.answer(prompt))
     row(request, column, "10d", "the LoRA-swapped prompt again, alone", again, "")
