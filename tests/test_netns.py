@@ -21,11 +21,9 @@ kernel refuses).
 from __future__ import annotations
 
 import concurrent.futures as cf
-import ctypes
 import json
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +39,7 @@ import pytest
 from kvconnect.core.config import connector_config
 from kvconnect.core.errors import ConfigError
 from kvconnect.harness.cluster import complete
+from kvconnect.harness.netns import delete_stale_namespaces, enter_netns, ip, netns_unavailable
 
 pytestmark = [pytest.mark.netns, pytest.mark.cluster]
 T = TypeVar("T")
@@ -48,7 +47,6 @@ T = TypeVar("T")
 NS_PREFIX = "kvct-"  # every namespace this test makes starts so, followed by the creating pid
 PREFILL_ADDR, DECODE_ADDR, PREFIX_LEN = "10.77.0.1", "10.77.0.2", 24
 HTTP_PORT, REF_PORT, PROXY_PORT, SIDE_PORT = 8000, 8001, 8080, 5600
-CLONE_NEWNET = 0x40000000
 STARTUP_S = 120.0
 SECRET = secrets.token_hex(16)  # the side channel authenticated across the hosts, as deployments should be
 PROMPTS = (
@@ -62,33 +60,6 @@ PROMPTS = (
 # --- namespaces --------------------------------------------------------------------------------------
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-    if check and out.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
-    return out
-
-
-def _delete_stale_namespaces() -> None:
-    """Namespaces of this test whose creating process is gone (a run that was killed)."""
-    listing = _ip("netns", "list", check=False).stdout.split()
-    for name in listing:
-        if name.startswith(NS_PREFIX):
-            pid = name[len(NS_PREFIX) :].split("-", 1)[0]
-            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-                _ip("netns", "del", name, check=False)
-
-
-def _skip_reason() -> str | None:
-    if sys.platform != "linux":
-        return "network namespaces are Linux only"
-    if os.geteuid() != 0:
-        return "creating network namespaces needs root"
-    if shutil.which("ip") is None:
-        return "the `ip` command (iproute2) is not installed"
-    return None
-
-
 @dataclass
 class Hosts:
     """Two namespaces joined by a veth pair."""
@@ -99,16 +70,16 @@ class Hosts:
     decode_dev: str
 
     def tx_bytes(self, ns: str, dev: str) -> int:
-        stats = json.loads(_ip("-n", ns, "-s", "-j", "link", "show", "dev", dev).stdout)
+        stats = json.loads(ip("-n", ns, "-s", "-j", "link", "show", "dev", dev).stdout)
         return int(stats[0]["stats64"]["tx"]["bytes"])
 
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[Hosts]:
-    reason = _skip_reason()
+    reason = netns_unavailable()
     if reason:
         pytest.skip(reason)
-    _delete_stale_namespaces()
+    delete_stale_namespaces(NS_PREFIX)
     token = secrets.token_hex(3)
     h = Hosts(
         f"{NS_PREFIX}{os.getpid()}-{token}-p", f"{NS_PREFIX}{os.getpid()}-{token}-d", f"kvp{token}", f"kvd{token}"
@@ -116,14 +87,14 @@ def hosts() -> Iterator[Hosts]:
     made: list[str] = []
     try:
         for ns in (h.prefill_ns, h.decode_ns):
-            out = _ip("netns", "add", ns, check=False)
+            out = ip("netns", "add", ns, check=False)
             if out.returncode != 0:
                 if not made:
                     pytest.skip(f"cannot create a network namespace here: {out.stderr.strip()}")
                 raise RuntimeError(f"ip netns add {ns}: {out.stderr.strip()}")
             made.append(ns)
         # both ends are created inside their namespaces: nothing touches the root namespace
-        _ip(
+        ip(
             "link",
             "add",
             h.prefill_dev,
@@ -139,28 +110,13 @@ def hosts() -> Iterator[Hosts]:
         )
         ends = ((h.prefill_ns, h.prefill_dev, PREFILL_ADDR), (h.decode_ns, h.decode_dev, DECODE_ADDR))
         for ns, dev, addr in ends:
-            _ip("-n", ns, "addr", "add", f"{addr}/{PREFIX_LEN}", "dev", dev)
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "link", "set", dev, "up")
+            ip("-n", ns, "addr", "add", f"{addr}/{PREFIX_LEN}", "dev", dev)
+            ip("-n", ns, "link", "set", "lo", "up")
+            ip("-n", ns, "link", "set", dev, "up")
         yield h
     finally:
         for ns in made:  # deleting a namespace destroys its veth end, and with it the pair
-            _ip("netns", "del", ns, check=False)
-
-
-def _enter_netns(name: str) -> None:
-    """Move the calling thread (only it) into network namespace `name`; its sockets stay there."""
-    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
-    try:
-        if hasattr(os, "setns"):  # Python 3.12+
-            os.setns(fd, CLONE_NEWNET)
-        else:
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.setns(fd, CLONE_NEWNET) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"setns({name}): {os.strerror(err)}")
-    finally:
-        os.close(fd)
+            ip("netns", "del", ns, check=False)
 
 
 # --- the cluster -------------------------------------------------------------------------------------
@@ -250,7 +206,7 @@ class NetnsCluster:
         )
         self.spawn("proxy", h.decode_ns, ["proxy"], env)
         self.pool = cf.ThreadPoolExecutor(
-            12, thread_name_prefix="netns-client", initializer=_enter_netns, initargs=(h.decode_ns,)
+            12, thread_name_prefix="netns-client", initializer=enter_netns, initargs=(h.decode_ns,)
         )
         self.wait_healthy()
 

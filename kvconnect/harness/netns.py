@@ -51,6 +51,15 @@ def netns_unavailable() -> str | None:
     return None
 
 
+def delete_stale_namespaces(prefix: str = NS_PREFIX) -> None:
+    """Delete the namespaces named `<prefix><pid>-...` whose creating process is gone (a run that was killed)."""
+    for name in ip("netns", "list", check=False).stdout.split():
+        if name.startswith(prefix):
+            pid = name[len(prefix) :].split("-", 1)[0]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                ip("netns", "del", name, check=False)
+
+
 def enter_netns(name: str) -> None:
     """Move the calling thread (only it) into network namespace `name`."""
     fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
@@ -77,11 +86,7 @@ class Hosts:
 
     @classmethod
     def make(cls) -> Hosts:
-        for name in ip("netns", "list", check=False).stdout.split():  # namespaces a killed run left
-            if name.startswith(NS_PREFIX):
-                pid = name[len(NS_PREFIX) :].split("-", 1)[0]
-                if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-                    ip("netns", "del", name, check=False)
+        delete_stale_namespaces()
         token = secrets.token_hex(3)
         base = f"{NS_PREFIX}{os.getpid()}-{token}"
         h = cls(f"{base}-p", f"{base}-d", f"kfp{token}", f"kfd{token}")
