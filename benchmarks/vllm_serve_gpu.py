@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -49,6 +48,7 @@ from typing import Any
 
 from kvconnect.bench.gpu_pd import moves_by_nixl, pair_servers
 from kvconnect.bench.serve_client import ServeClient
+from kvconnect.bench.serve_table import aligned, points, spread
 from kvconnect.harness.tiny_llama import TinyLlama, build
 from kvconnect.harness.vllm_cluster import Server, VllmCluster
 from kvconnect.verdict.ucx_tables import format_byte_paths, remote_memory_lines
@@ -278,17 +278,9 @@ def table(rows: list[dict]) -> str:
         for target in dict.fromkeys(r["target"] for r in rows if r["run"] == cell):
             rs = [r for r in rows if r["run"] == cell and r["target"] == target]
             cells = [cell, target, str(len(rs))]
-            for c in cols:
-                vals = [float(r[c]) for r in rs if r.get(c) is not None]
-                if not vals:
-                    cells.append("-")
-                elif len(vals) == 1:
-                    cells.append(f"{vals[0]:.4g}")
-                else:
-                    cells.append(f"{statistics.median(vals):.4g} [{min(vals):.4g}-{max(vals):.4g}]")
+            cells += [spread([float(r[c]) for r in rs if r.get(c) is not None]) for c in cols]
             out.append(cells)
-    widths = [max(len(line[i]) for line in out) for i in range(len(out[0]))]
-    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)) for line in out)
+    return aligned(out)
 
 
 def plot(rows: list[dict], out: Path) -> None:
@@ -306,11 +298,7 @@ def plot(rows: list[dict], out: Path) -> None:
     for metric in METRICS:
         fig, ax = plt.subplots(figsize=(6, 4))
         for target in dict.fromkeys(r["target"] for r in rows):
-            pts = []
-            for rate in sorted({r["rate"] for r in rows if r["target"] == target and r["rate"]}):
-                vals = [r[metric] for r in rows if r["target"] == target and r["rate"] == rate and r.get(metric)]
-                if vals:
-                    pts.append((rate, statistics.median(vals), min(vals), max(vals)))
+            pts = points(rows, target, metric)
             if pts:
                 med = [p[1] for p in pts]
                 bars = [

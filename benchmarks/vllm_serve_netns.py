@@ -61,7 +61,6 @@ import json
 import os
 import random
 import secrets
-import statistics
 import subprocess
 import sys
 import time
@@ -70,6 +69,7 @@ from typing import Any
 
 from kvconnect.bench.ceiling import CopyCeiling
 from kvconnect.bench.gpu_pd import KVCONNECT, NIXL
+from kvconnect.bench.serve_table import aligned, points, spread
 from kvconnect.bench.vllm_pd import scrape_sums
 from kvconnect.harness.netns import Hosts, NetnsCluster, netns_unavailable
 from kvconnect.harness.tiny_llama import TinyLlama, build
@@ -257,20 +257,10 @@ def table(rows: list[dict]) -> str:
         for rate in sorted({r["rate"] for r in rows if r["target"] == target}):
             rs = [r for r in rows if r["target"] == target and r["rate"] == rate]
             cells = [target, f"{rate:g}"]
-            for c in cols:
-                vals = [float(r[c]) for r in rs if r.get(c) is not None]
-                med = statistics.median(vals) if vals else None
-                cells.append(
-                    "-"
-                    if med is None
-                    else f"{med:.4g} [{min(vals):.4g}-{max(vals):.4g}]"
-                    if len(vals) > 1
-                    else f"{med:.4g}"
-                )
+            cells += [spread([float(r[c]) for r in rs if r.get(c) is not None]) for c in cols]
             cells.append("yes" if all(r.get("over_nixl", target == "nixl") for r in rs) else "NO")
             out.append(cells)
-    widths = [max(len(line[i]) for line in out) for i in range(len(out[0]))]
-    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)) for line in out)
+    return aligned(out)
 
 
 def plot(rows: list[dict], out: Path) -> None:
@@ -286,11 +276,7 @@ def plot(rows: list[dict], out: Path) -> None:
     for metric in (*METRICS, "xfer_ms", "descs_per_pull"):
         fig, ax = plt.subplots(figsize=(6, 4))
         for target in dict.fromkeys(r["target"] for r in rows):
-            pts = []
-            for rate in sorted({r["rate"] for r in rows if r["target"] == target}):
-                vals = [r[metric] for r in rows if r["target"] == target and r["rate"] == rate and r.get(metric)]
-                if vals:
-                    pts.append((rate, statistics.median(vals), min(vals), max(vals)))
+            pts = points(rows, target, metric)
             if pts:
                 x = [p[0] for p in pts]
                 ax.plot(x, [p[1] for p in pts], marker="o", label=target)
