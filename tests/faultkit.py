@@ -30,9 +30,9 @@ def idle(url: str) -> bool:
     )
 
 
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def scrape(url: str, timeout_s: float = 5.0) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of /metrics as {(name, sorted labels): value}."""
-    text = httpx.get(url + "/metrics", timeout=5).text
+    text = httpx.get(url + "/metrics", timeout=timeout_s).text
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -44,9 +44,9 @@ def metric(url: str, name: str, **labels: str) -> float:
     return scrape(url).get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def metric_sum(url: str, name: str, **labels: str) -> float:
+def metric_sum(url: str, name: str, timeout_s: float = 5.0, **labels: str) -> float:
     """Sum of a metric's samples whose labels include `labels` (vLLM adds engine and model labels)."""
-    return sum(v for (n, lab), v in scrape(url).items() if n == name and set(labels.items()) <= set(lab))
+    return sum(v for (n, lab), v in scrape(url, timeout_s).items() if n == name and set(labels.items()) <= set(lab))
 
 
 def prefill_leg(url: str, prompt: str, request_id: str) -> dict[str, Any]:

@@ -267,3 +267,48 @@ def test_a_cache_the_plugin_cannot_move_is_refused_naming_the_model_family_and_w
     message = str(family_refusal(e.value, model, latent=True))
     assert message.startswith("DeepseekV3ForCausalLM (MLA latent KV cache): vLLM KV cache model.layers.0")
     assert "MLA latent caches (DeepSeek, Kimi, GLM)" in message and "Mamba" in message
+
+
+def test_a_decode_renews_the_leases_of_the_requests_waiting_in_its_queue_until_they_are_scheduled() -> None:
+    """vLLM looks at a queued request (and so starts its pull, whose PIN keeps the lease) only once a run slot
+    is free. Until then the scheduler half orders a renewal of its lease every `lease_renew_s`, and stops once
+    the request is scheduled or leaves the queue."""
+    from kvconnect.vllm.binding import prompt_binding
+
+    now = [0.0]
+    consumer = KVConnectScheduler(read_settings(Cfg({"lease_renew_s": 5}, role="kv_consumer")), clock=lambda: now[0])
+    params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "e",
+        "remote_block_ids": [1],
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+    }
+    waiting = []
+    for rid in ("a", "b", "c"):
+        req = Req({**params, "remote_lease_id": f"lease-{rid}", "remote_request_id": f"p-{rid}"})
+        req.request_id = rid
+        req.status = RequestStatus.WAITING
+        consumer.on_new_request(req)
+        waiting.append(req)
+    bad = Req({**params, "remote_block_ids": "not a list", "remote_lease_id": "lease-bad", "remote_request_id": "p"})
+    bad.request_id = "bad"
+    consumer.on_new_request(bad)  # (invalid params renew nothing: its load fails on them)
+    assert consumer.build_connector_meta(1).renewals == []  # (the first renewal comes a period later)
+    now[0] += 4.9
+    assert consumer.build_connector_meta(1).renewals == []
+    now[0] += 1.3  # (the queue is looked at four times a period at most)
+    renewals = consumer.build_connector_meta(1).renewals
+    assert [(x.remote_lease_id, binding) for x, binding in renewals] == [
+        (f"lease-{r.request_id}", prompt_binding(r)) for r in waiting
+    ]
+    assert consumer.build_connector_meta(1).renewals == []  # (once a period)
+    consumer.update_state_after_alloc(waiting[0], Blocks([[7, 8, 9]]), 65)  # scheduled: its PIN takes over
+    consumer.request_finished(waiting[1], ([],))  # aborted while it waited
+    now[0] += 5
+    assert [x.remote_lease_id for x, _ in consumer.build_connector_meta(1).renewals] == ["lease-c"]
+    for extra, role in (({"lease_renew_s": 0}, "kv_consumer"), ({}, "kv_producer")):
+        other = KVConnectScheduler(read_settings(Cfg(extra, role=role)), clock=lambda: now[0])
+        other.on_new_request(waiting[2])
+        now[0] += 60
+        assert other.build_connector_meta(1).renewals == [], (extra, role)

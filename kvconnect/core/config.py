@@ -55,7 +55,13 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
     # shared secret for the side channel (HMAC) and the params a prefill signs; one per line: the first signs, each
     # verifies (rotation); empty = no authentication (loopback only)
     secret: str = ""
-    lease_ttl_s: float = 60.0  # a lease nobody reads is freed after this
+    lease_ttl_s: float = 60.0  # a lease nobody reads (or renews) is freed after this
+    # prefill: the longest a lease is held from its grant, renewals included (a decode renews the leases of its
+    # queued requests: `lease_renew_s`); a renewal never holds a lease past this. Also how long its params stay valid
+    lease_max_s: float = 600.0
+    # decode: while a request waits in the decode's queue, renew its prefill lease this often (0 = never). Keep it
+    # well under the prefill's lease_ttl_s: pods of one deployment use the same settings (default 60 s vs 5 s)
+    lease_renew_s: float = 5.0
     # prefill: how long after its kv_transfer_params left a lease may still be granted. Engines that grant it
     # on their next step (the vLLM plug-in) advertise this in the handshake; a decode then asks again about a
     # lease the prefill has never seen, for this long, instead of failing the pull. Such an engine must hold
@@ -137,6 +143,13 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
         for name in ("lease_ttl_s", "handshake_timeout_s", "pull_timeout_s", "poll_interval_s", "verdict_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.lease_max_s < self.lease_ttl_s:
+            raise ConfigError(
+                f"lease_max_s ({self.lease_max_s:g} s) must be at least lease_ttl_s ({self.lease_ttl_s:g} s): it "
+                "bounds how long renewals may hold a lease"
+            )
+        if self.lease_renew_s < 0:
+            raise ConfigError(f"lease_renew_s must be >= 0 (0: never renew), got {self.lease_renew_s}")
         if not 0 < self.lease_cache_share <= 1:
             raise ConfigError(f"lease_cache_share must be in (0, 1], got {self.lease_cache_share}")
         if not 0 <= self.lease_grace_s <= MAX_LEASE_GRACE_S:

@@ -245,6 +245,18 @@ class KVConnector:
             return
         self._loop.call(lambda: self._decode.release.for_params(params))
 
+    def renew_remote(self, params: KVTransferParams, prompt_digest: bytes = b"") -> None:
+        """Ask the prefill side to keep a lease whose request waits in this decode's queue (best effort,
+        non-blocking): held another TTL there, never past its `lease_max_s`. `prompt_digest`: the binding of the
+        prompt this decode will serve (a lease bound to another refuses it). Params this decode cannot trust, or
+        bound to another prompt, are dropped: a renewal dials the host they name."""
+        try:
+            trusted(params, self.config.keyring, prompt_digest)
+        except KVConnectError as e:
+            log.debug("renewal not sent: %s", e)
+            return
+        self._loop.call(lambda: self._decode.release.renew(params, prompt_digest))
+
     def _pull_done(self, pull: Pull, error: KVConnectError | None) -> None:
         if self._on_pull_done is not None:
             self._on_pull_done(pull.handle.stats, error)
@@ -276,6 +288,7 @@ class KVConnector:
             ),
             unknown_lease_requests=c.unknown_lease_requests,
             claims_refused=self._decode.claims.refused,
+            lease_renewals=leases.renewals,
         )
 
     # --- loop --------------------------------------------------------------------------------------

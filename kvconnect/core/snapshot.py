@@ -47,3 +47,4 @@ class ConnectorSnapshot(msgspec.Struct, frozen=True):
     ipc_gather_unavailable: int = 0  # 1: the IPC gather could not be compiled here; same-host peers use NIXL
     unknown_lease_requests: int = 0  # lease requests naming a lease never granted here (or forgotten)
     claims_refused: int = 0  # params claiming a known prefill restarted or moved, refuted by its own handshake
+    lease_renewals: int = 0  # renewals that held a lease longer: its decode's request still waited in its queue

@@ -36,6 +36,11 @@ SNAPSHOT = {
         "PIN/CONFIRM/RELEASE naming a lease not (yet) granted here",
         "unknown_lease_requests",
     ),
+    "kvconnect_lease_renewals": (
+        "counter",
+        "leases held longer because their decode's request still waited in its queue",
+        "lease_renewals",
+    ),
     "kvconnect_side_channel_refused": (
         "counter",
         "side-channel messages refused: malformed, version, auth",

@@ -47,6 +47,8 @@ class StepOrders(KVConnectorMetadata):
     leases: list[LeaseOrder] = field(default_factory=list)
     pulls: list[PullOrder] = field(default_factory=list)
     releases: list[KVTransferParams] = field(default_factory=list)  # params of leases nobody will read
+    # (params, prompt binding) of leases whose requests still wait in the decode's queue: renew them
+    renewals: list[tuple[KVTransferParams, bytes]] = field(default_factory=list)
     # nothing to compute this step: vLLM steps anyway while a transfer is pending, so the workers wait a
     # little for one to end instead of letting the engine spin (see worker.py)
     idle: bool = False

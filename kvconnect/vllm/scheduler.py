@@ -6,12 +6,14 @@ blocks (vLLM frees them once every worker reports the request in `finished_sendi
 ended), orders the workers to lease them, and returns the vLLM-named `kv_transfer_params`. The workers
 grant the lease as the next step's orders are bound, before that step's forward.
 
-Decode (`do_remote_prefill`): the prompt's KV is loaded asynchronously (the request waits in
-WAITING_FOR_REMOTE_KVS while vLLM schedules others), into the blocks the local prefix cache did not
-already fill; one pull order per request. A request aborted before it was scheduled, or one whose whole
-prompt the local prefix cache holds, gets its remote lease released instead. The client's params are
-parsed here once; invalid ones never raise here (the scheduler must not): the order carries the refusal,
-the worker fails the load naming the field, and vLLM's own failure policy applies.
+Decode (`do_remote_prefill`): while a request waits in the queue (vLLM looks at it only once a run slot is
+free), its lease is renewed every `lease_renew_s`, so a queue longer than the prefill's `lease_ttl_s` loses no
+lease (the prefill bounds renewals by its `lease_max_s`). Once scheduled, the prompt's KV is loaded
+asynchronously (the request waits in WAITING_FOR_REMOTE_KVS while vLLM schedules others), into the blocks the
+local prefix cache did not already fill; one pull order per request. A request aborted before it was
+scheduled, or one whose whole prompt the local prefix cache holds, gets its remote lease released instead.
+The client's params are parsed here once; invalid ones never raise here (the scheduler must not): the order
+carries the refusal, the worker fails the load naming the field, and vLLM's own failure policy applies.
 
 A model with Mamba / linear-attention state (`groups.py`) cannot rewind its state by a token: its prefill
 computes all but the prompt's last token (`on_new_request` shortens the prompt, as NixlConnector does), the
@@ -21,7 +23,9 @@ lease and the prompt digest cover those tokens, and the decode loads them and co
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -76,11 +80,26 @@ def _parsed(raw: dict[str, Any]) -> tuple[KVTransferParams | None, tuple[str, st
         return None, (e.field, e.reason)
 
 
+@dataclass
+class _Queued:
+    """A decode leg waiting in the queue: its lease is renewed at `due_s`."""
+
+    params: KVTransferParams
+    binding: bytes  # its prompt's (a renewal of a lease bound to another prompt is refused)
+    due_s: float
+
+
 class KVConnectScheduler:
     def __init__(
-        self, settings: VllmSettings, moves: tuple[GroupMove, ...] = (GroupMove("FullAttentionSpec"),)
+        self,
+        settings: VllmSettings,
+        moves: tuple[GroupMove, ...] = (GroupMove("FullAttentionSpec"),),
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._settings = settings
+        self._clock = clock
+        self._queued: dict[str, _Queued] = {}  # decode: requests waiting to be scheduled, by request id
+        self._next_look = 0.0  # when `_renewals` looks at them next
         self._moves = moves  # per KV cache group, which of its blocks move (groups.py)
         self._backoff = backoff(moves)  # prompt tokens a prefill leaves to the decode (a model with state)
         self._shortened: set[str] = set()  # prefill legs whose prompt on_new_request shortened
@@ -115,9 +134,12 @@ class KVConnectScheduler:
     # --- prefill -----------------------------------------------------------------------------------
 
     def on_new_request(self, request: Request) -> None:
-        """A prefill leg of a model with state computes all but the prompt's last `backoff` tokens: the state
-        the decode pulls must be the one before the token it computes itself."""
+        """A decode leg's lease is renewed while the request waits (`_queue`). A prefill leg of a model with state
+        computes all but the prompt's last `backoff` tokens: the state the decode pulls must be the one before the
+        token it computes itself."""
         params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            self._queue(request)
         if not self._backoff or not params or not params.get("do_remote_decode"):
             return
         if self._settings.role == "kv_consumer":  # (it leases nothing: request_finished logs the refusal)
@@ -126,6 +148,28 @@ class KVConnectScheduler:
             self._shortened.add(request.request_id)
 
     # --- decode ------------------------------------------------------------------------------------
+
+    def _queue(self, request: Request) -> None:
+        """Renew this decode leg's lease while it waits (not invalid params: the load fails on them anyway)."""
+        period = self._settings.config.lease_renew_s
+        if self._settings.role == "kv_producer" or period <= 0:
+            return
+        parsed, refused = _parsed(request.kv_transfer_params or {})
+        if parsed is not None and refused is None and parsed.remote_lease_id:
+            due = self._clock() + period
+            self._queued[request.request_id] = _Queued(parsed, prompt_binding(request, self._backoff), due)
+
+    def _renewals(self) -> list[tuple[KVTransferParams, bytes]]:
+        """The queued requests' leases due for renewal: each every `lease_renew_s` from when it arrived (a
+        request scheduled at once never renews). The queue is looked at four times a period at most."""
+        now, period = self._clock(), self._settings.config.lease_renew_s
+        if not self._queued or now < self._next_look:
+            return []
+        self._next_look = now + period / 4
+        due = [q for q in self._queued.values() if q.due_s <= now]
+        for q in due:
+            q.due_s = now + period
+        return [(q.params, q.binding) for q in due]
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens to load from the remote prefill (asynchronously), beyond the local prefix-cache hit (a model
@@ -140,6 +184,7 @@ class KVConnectScheduler:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill") or self._settings.role == "kv_producer":
             return  # (a producer's refusal was logged by get_num_new_matched_tokens)
+        self._queued.pop(request.request_id, None)  # scheduled: the pull's PIN keeps the lease from here
         parsed, refused = _parsed(params)
         params["do_remote_prefill"] = False  # one load per request (this is called again once it is scheduled)
         if num_external_tokens > 0:
@@ -167,6 +212,7 @@ class KVConnectScheduler:
 
     def build_connector_meta(self, num_scheduled_tokens: int) -> StepOrders:
         orders, self._orders = self._orders, StepOrders()
+        orders.renewals = self._renewals()
         # (a step that only starts pulls is idle too: its workers then wait for them right away, instead of a
         # step later, after a round of vLLM's own scheduling, which is most of a short pull's time)
         orders.idle = num_scheduled_tokens == 0
@@ -178,6 +224,7 @@ class KVConnectScheduler:
         """`block_ids`: per KV cache group (one list for a model of one group)."""
         params = request.kv_transfer_params
         self._shortened.discard(request.request_id)
+        self._queued.pop(request.request_id, None)
         if not params:
             return False, None
         if params.get("do_remote_prefill") and self._settings.role != "kv_producer":  # aborted before scheduled:
@@ -234,5 +281,5 @@ class KVConnectScheduler:
             prompt=binding,
             wire_version=PROTOCOL_VERSION,
         )
-        signed = sign_params(granted, config.keyring, params_expiry_ms(config.lease_ttl_s))
+        signed = sign_params(granted, config.keyring, params_expiry_ms(config.lease_max_s))
         return True, msgspec.to_builtins(signed)

@@ -1,4 +1,5 @@
-"""Decode side: giving a prefill's lease back, as a reader of one pull or for params nobody will read.
+"""Decode side: giving a prefill's lease back, as a reader of one pull or for params nobody will read, and
+keeping the lease of a request that waits in the decode's queue (a renewal, sent like a non-reader's release).
 
 Loop thread only. A reader releases as itself on its peer's channel (that also drops its pin). Params a
 decode will not read (refused, cancelled, or copies of heads nobody reads) are released on every rank of
@@ -16,6 +17,7 @@ from kvconnect.core.decode.peers import PeerSet, peer_key
 from kvconnect.core.decode.pull import Pull
 from kvconnect.core.plan.params import KVTransferParams
 from kvconnect.core.wire import lease_client
+from kvconnect.core.wire import protocol as p
 
 log = logging.getLogger(__name__)
 
@@ -45,16 +47,31 @@ class Releases:
         for rank, host, port in self._targets(params):
             self._send(params, rank, host, port)
 
+    def renew(self, params: KVTransferParams, prompt_digest: bytes) -> None:
+        """Renew the lease on every rank of the prefill's TP group: its request still waits to be scheduled."""
+        msg = lease_client.renew(
+            self._engine_id,
+            params.remote_lease_id or "",
+            params.remote_block_ids or [],
+            prompt_digest,
+            params.remote_group_sizes or (),
+        )
+        for rank, host, port in self._targets(params):
+            self._send(params, rank, host, port, msg)
+
     def to_rank(self, params: KVTransferParams, rank: int) -> None:
         """Release as a non-reader on rank `rank`: on its peer's channel if there is one, else a short one."""
         targets = self._targets(params)
         if rank < len(targets):
             self._send(params, *targets[rank])
 
-    def _send(self, params: KVTransferParams, rank: int, host: str, port: int) -> None:
+    def _send(
+        self, params: KVTransferParams, rank: int, host: str, port: int, msg: p.LeaseRequest | None = None
+    ) -> None:
+        """Send `msg` (default: a non-reader's release of `params`' lease) to rank `rank`."""
         if not params.remote_engine_id:
             return
-        msg = lease_client.release(
+        msg = msg or lease_client.release(
             self._engine_id,
             params.remote_lease_id or "",
             params.remote_block_ids or [],
@@ -67,7 +84,7 @@ class Releases:
         short = self._peers.short
         if not short.send(host, port, msg) and short.dropped % 100 == 1:
             log.warning(
-                "%d releases dropped so far: %d release-only channels open (those leases end by their TTL)",
+                "%d releases or renewals dropped so far: %d release-only channels open (those leases end by their TTL)",
                 short.dropped,
                 len(short),
             )

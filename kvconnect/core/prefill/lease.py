@@ -28,6 +28,7 @@ class Lease:
     prompt: bytes = b""  # the digest of the prompt whose KV the blocks hold (b"": not bound)
     # blocks per KV cache group, `block_ids` being the groups in turn (): one group
     groups: tuple[int, ...] = ()
+    renewals: int = 0  # renewals a decode sent while its request waited
 
     @property
     def request_id(self) -> str:

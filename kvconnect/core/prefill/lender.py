@@ -6,11 +6,12 @@ and end on the board before any block goes back; an end hands the blocks back to
 (`on_blocks_freed`).
 
 Inside a connector tick (under its lock, on the loop thread or a driving engine thread) it answers decodes: a
-PIN, CONFIRM or RELEASE names a lease by id and the blocks it is about; one that names blocks its lease does
-not hold, another prompt, or a PIN/CONFIRM without a read token is refused (`LeaseReply.refusal` says which)
-and leaves the lease as it is. A NIXL notification (sent by the decode's READ when it ends) completes the
-lease for its reader, but only when it names this incarnation and carries the digest of exactly the leased
-blocks.
+PIN, CONFIRM, RENEW or RELEASE names a lease by id and the blocks it is about; one that names blocks its lease
+does not hold, another prompt, or a PIN/CONFIRM without a read token is refused (`LeaseReply.refusal` says
+which) and leaves the lease as it is. A RENEW (the decode's request still waits in its queue) holds the lease
+another TTL, never past `lease_max_s` from its grant. A NIXL notification (sent by the decode's READ when it
+ends) completes the lease for its reader, but only when it names this incarnation and carries the digest of
+exactly the leased blocks.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class Lender:
             expire_read=expire_read,
             max_blocks=max(1, int(config.lease_cache_share * cache.spec.num_blocks)),
             on_state=self._show,
+            max_s=config.lease_max_s,
         )
         self._agent: NixlAgent | None = None  # (its notifications: `serve`)
         self._refusal_logs = LogLimiter(REFUSAL_LOGS_PER_S)
@@ -106,7 +108,8 @@ class Lender:
             prompt=prompt_digest,
             wire_version=p.PROTOCOL_VERSION,
         )
-        return sign_params(params, self._keys, params_expiry_ms(self._config.lease_ttl_s))
+        # (valid as long as renewals may hold the lease: a request may wait that long in a decode's queue)
+        return sign_params(params, self._keys, params_expiry_ms(self._config.lease_max_s))
 
     def _show(self, lease: Lease) -> None:  # (a grant or an end, under the lease table's lock)
         if self.board is None:
@@ -136,7 +139,8 @@ class Lender:
         # ids come from a peer; a lease id is secret
         shown, peer = loggable(lease_id, 8), loggable(msg.engine_id)
         refusal, problem = p.Refusal.BLOCKS, self.leases.blocks_problem(lease_id, msg.block_ids, msg.group_sizes)
-        if not problem and msg.action is not p.LeaseAction.RELEASE and not msg.read_token:
+        reads = msg.action in (p.LeaseAction.PIN, p.LeaseAction.CONFIRM)
+        if not problem and reads and not msg.read_token:
             refusal, problem = p.Refusal.TOKEN, "read_token: required for a pin or a confirmation"
         if not problem and msg.action is not p.LeaseAction.RELEASE:
             refusal, problem = p.Refusal.PROMPT, self.leases.prompt_problem(lease_id, msg.prompt_digest)
@@ -147,6 +151,12 @@ class Lender:
             unknown = p.LeaseState.UNKNOWN
             return p.LeaseReply(lease_id, unknown, self._incarnation_id, reason=problem, seq=msg.seq, refusal=refusal)
         pin_s = min(msg.pin_ms / 1000, self.leases.ttl_s)  # a client-sent pin lasts no longer than a lease
+        if msg.action is p.LeaseAction.RENEW:
+            state, held_s = self.leases.renew(lease_id)
+            log.debug("lease %s: renewal from %s answered %s, held %.3g s more", shown, peer, state.value, held_s)
+            if state is p.LeaseState.UNKNOWN:
+                self._counters.unknown_lease_requests += 1
+            return p.LeaseReply(lease_id, state, self._incarnation_id, seq=msg.seq, held_ms=round(held_s * 1000))
         if msg.action is p.LeaseAction.CONFIRM:
             state = self.leases.complete(lease_id, msg.reader, msg.readers, msg.read_token)
         elif msg.action is p.LeaseAction.PIN:

@@ -20,9 +20,13 @@ read them. The rules:
 - **Pins.** A reader may pin a held lease before its read ends: until the pin ends (complete, release, or its
   own deadline) the blocks are not handed back, whatever ends the lease meanwhile; that end takes effect when
   the last pin goes.
+- **Renewals.** A decode whose request waits in its queue renews the lease (`renew`): held another TTL from
+  now, never past `max_s` from its grant, so a dead decode's leases still end one TTL after its last renewal,
+  and no lease is held forever. A renewal claims no reader slot and reads nothing.
 - **Bounded.** Leases hold at most `max_blocks` blocks at once (`lease_cache_share` of the cache): a grant
-  beyond it expires the oldest leases nobody has pinned (prefill legs whose decode never came). A grant is
-  never refused, and pinned leases (being read) stay, so those and the grant may go over the bound.
+  beyond it expires the oldest leases nobody has pinned, those no decode renewed first (prefill legs whose
+  decode never came). A grant is never refused, and pinned leases (being read) stay, so those and the grant
+  may go over the bound.
 - **Work by what is due.** `expire` runs at every connector tick, the engine's included: it looks only at
   leases with something due (a TTL, a pin's deadline, a tombstone to forget: `due.py`), never at the minute's
   tombstones.
@@ -59,13 +63,17 @@ class LeaseTable:
         expire_read: Callable[[], bool] | None = None,
         max_blocks: int | None = None,
         on_state: Callable[[Lease], None] = lambda lease: None,
+        max_s: float | None = None,
     ) -> None:
-        """`max_blocks`: the most blocks leases may hold at once (module docstring, "Bounded").
+        """`max_blocks`: the most blocks leases may hold at once (module docstring, "Bounded"). `max_s`: the
+        longest renewals may hold a lease from its grant (default: the TTL, i.e. renewals add nothing).
         `on_state(lease)`: a grant, and an end before any block goes back (the same-host lease board,
         board.py), under the table's lock."""
         if ttl_s <= 0:
             raise LeaseError(f"lease ttl must be positive, got {ttl_s}")
         self.ttl_s = ttl_s
+        self.max_s = max(ttl_s, max_s if max_s is not None else ttl_s)
+        self.renewals = 0  # renewals that extended a lease
         self.tombstone_s = tombstone_s if tombstone_s is not None else max(60.0, 2 * ttl_s)
         self._clock = clock
         self._on_free, self._on_state = on_free, on_state
@@ -197,6 +205,24 @@ class LeaseTable:
                 return LeaseState.HELD
         log.warning("lease %s expired as its read was pinned (fault injection)", lease.request_id)
         return self._end(lease_id, LeaseState.EXPIRED)
+
+    def renew(self, lease_id: str) -> tuple[LeaseState, float]:
+        """A decode still waits to read `lease_id`: hold it until a TTL from now, but never past `max_s` from its
+        grant (module doc, "Renewals"). Returns its state and, while HELD, how long from now it is held."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                return LeaseState.UNKNOWN, 0.0
+            if lease.state is not LeaseState.HELD:
+                return lease.state, 0.0
+            now = self._clock()
+            until = min(now + self.ttl_s, lease.granted_s + self.max_s)
+            if until > lease.expires_s:
+                lease.expires_s = until
+                self.renewals += 1
+                self._schedule(lease)
+            lease.renewals += 1
+            return LeaseState.HELD, max(0.0, lease.expires_s - now)
 
     def unpin(self, lease_id: str, reader: int, token: bytes = b"") -> None:
         """`reader` no longer reads: drop its pin (and hand back the blocks of a lease that ended meanwhile).

@@ -123,6 +123,26 @@ def release(
     )
 
 
+def renew(
+    engine_id: str,
+    lease_id: str,
+    block_ids: Sequence[int] | np.ndarray,
+    prompt_digest: bytes = b"",
+    group_sizes: Sequence[int] = (),
+) -> p.LeaseRequest:
+    """The request that will read the lease still waits in the decode's queue: hold it another TTL (as a
+    non-reader: a renewal claims no reader slot)."""
+    return _request(
+        p.LeaseAction.RENEW,
+        engine_id,
+        lease_id,
+        block_ids,
+        group_sizes,
+        reader=NON_READER,
+        prompt_digest=prompt_digest,
+    )
+
+
 def release_after_failure(error: KVConnectError) -> bool:
     """Whether a pull that failed with `error` should release its lease now (rather than leave it to its TTL):
     not when the lease is already gone (LeaseLostError), the peer refused us (AuthError: it would refuse the
@@ -143,8 +163,8 @@ def release_targets(params: KVTransferParams, known_tp: int = 0) -> list[tuple[i
 
 
 class ShortChannels:
-    """Release-only channels for the decode loop (loop thread only): one per release, dropped when its
-    answer arrives or `SHORT_CHANNEL_S` after it was sent, `SHORT_CHANNELS_MAX` at most."""
+    """Release-only channels for the decode loop (loop thread only): one per release (or renewal), dropped
+    when its answer arrives or `SHORT_CHANNEL_S` after it was sent, `SHORT_CHANNELS_MAX` at most."""
 
     def __init__(self, ctx: zmq.Context, secret: bytes | Keyring) -> None:
         self._ctx = ctx

@@ -65,6 +65,9 @@ class LeaseAction(str, enum.Enum):
     CONFIRM = "confirm"  # after a READ: was the data intact? finishes the lease (and the reader's pin)
     RELEASE = "release"  # give the blocks back now (client abort, decode gave up)
     PIN = "pin"  # with the READ: keep the blocks until this reader confirms, or for pin_ms at most
+    # while the request waits in the decode's queue: hold the lease another TTL (never past the prefill's
+    # lease_max_s from its grant). Claims no reader slot and reads nothing: the read's PIN or notification decides
+    RENEW = "renew"
 
 
 # --- side channel: requests ----------------------------------------------------------------------
@@ -132,6 +135,7 @@ class LeaseReply(msgspec.Struct, tag="lease_reply"):
     kv_digest: bytes = b""  # a held or completed lease's digest of the blocks named (kv_digest; digest.py)
     pin_ms: int = 0  # a PIN answered HELD: how long the prefill keeps it, from when it got the PIN (capped by its TTL)
     refusal: Refusal = Refusal.NONE  # refused as a reader: for what (`reason` in words)
+    held_ms: int = 0  # a RENEW answered HELD: how long from now the prefill holds the lease (0: not renewed)
 
 
 class ErrorReply(msgspec.Struct, tag="error"):
