@@ -257,3 +257,22 @@ def test_a_body_the_decode_refuses_still_releases_the_lease_its_params_name(clus
         timeout_s=20,
         what="the refused body's lease released (TTL is 60 s)",
     )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_proxy_names_its_share_of_the_handover_in_server_timing(cluster: Cluster, stream: bool) -> None:
+    """Each relayed answer says how long the proxy's parts of the handover took (the handover split reads it)."""
+    t0 = time.perf_counter()
+    with httpx.stream(
+        "POST",
+        cluster.urls["proxy"] + "/v1/completions",
+        json={"prompt": "a timed request", "max_tokens": 3, "stream": stream},
+        timeout=30,
+    ) as r:
+        r.read()
+    total_ms = 1000 * (time.perf_counter() - t0)
+    assert r.status_code == 200
+    parts = dict(part.strip().split(";dur=") for part in r.headers["server-timing"].split(","))
+    assert list(parts) == ["proxy-in", "prefill", "handoff", "decode-head"]
+    durations = [float(v) for v in parts.values()]
+    assert min(durations) >= 0 and sum(durations) <= total_ms and durations[1] > 0

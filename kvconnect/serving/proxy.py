@@ -8,6 +8,11 @@ choose destinations: their own kv_transfer_params are replaced. A failed leg ret
 decode answer that breaks mid-stream ends with an error event). If the decode leg cannot be reached, or
 the client goes away before the decode answer is complete, the prefill lease is released over the side
 channel at once instead of waiting for its TTL. Outcomes are counted in /metrics.
+
+Every answer relayed from a decode carries a `Server-Timing` header with the proxy's share of the handover
+(milliseconds): `proxy-in` (request received to prefill leg sent: reading and checking the body), `prefill`
+(the prefill leg, sent to answered), `handoff` (its answer to the decode leg sent: the params copied),
+`decode-head` (the decode leg sent to its answer's headers; for a streamed answer, before the first token).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import contextlib
 import itertools
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -40,6 +46,16 @@ from kvconnect.serving.bodies import BodyTooLargeError, decode_json, read_body
 from kvconnect.serving.openai_api import error_body
 
 log = logging.getLogger(__name__)
+
+
+TIMING_PARTS = ("proxy-in", "prefill", "handoff", "decode-head")  # between consecutive instants of `_legs`
+
+
+def _server_timing(marks: list[float]) -> str:
+    """The `Server-Timing` value of the handover's parts (module doc) from its instants."""
+    return ", ".join(
+        f"{name};dur={1000 * (b - a):.3f}" for name, a, b in zip(TIMING_PARTS, marks, marks[1:], strict=False)
+    )
 
 
 class ClientGone(Exception):
@@ -91,6 +107,7 @@ class Proxy:
 
     async def handle(self, request: Request, path: str) -> Response:
         assert self.client is not None
+        marks = [time.perf_counter()]  # the handover's instants (`_server_timing`)
         request_id = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
         headers = {"x-request-id": request_id, "content-type": "application/json"}
         try:
@@ -104,12 +121,18 @@ class Proxy:
         body.pop("kv_transfer_params", None)  # never let a client pick where workers connect
         gone = asyncio.ensure_future(_disconnected(request))
         try:
-            return await self._legs(request_id, path, body, headers, gone)
+            return await self._legs(request_id, path, body, headers, gone, marks)
         finally:
             gone.cancel()
 
     async def _legs(
-        self, request_id: str, path: str, body: dict[str, Any], headers: dict[str, str], gone: asyncio.Future[None]
+        self,
+        request_id: str,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        gone: asyncio.Future[None],
+        marks: list[float],
     ) -> Response:
         assert self.client is not None
         prefill_url = self.prefill_urls[next(self._prefill_rr)]
@@ -119,7 +142,9 @@ class Proxy:
             leg["max_completion_tokens"] = 1
         try:  # not raced with `gone`: a prefill answer leases blocks, which we must learn of to release them
             with self.metrics.in_flight.labels("prefill").track_inprogress():
+                marks.append(time.perf_counter())
                 resp = await self.client.post(prefill_url + path, json=leg, headers=headers)
+                marks.append(time.perf_counter())
         except httpx.HTTPError as e:
             return self._leg_failed(request_id, "prefill", prefill_url, e)
         if resp.status_code != 200:
@@ -138,7 +163,9 @@ class Proxy:
             return await self._client_aborted(request_id, params, "during the prefill leg")
         try:
             with self.metrics.in_flight.labels("decode").track_inprogress():
+                marks.append(time.perf_counter())
                 upstream = await _unless_gone(self.client.send(req, stream=True), gone)
+                marks.append(time.perf_counter())
         except ClientGone:
             return await self._client_aborted(request_id, params, "before the decode leg answered")
         except httpx.HTTPError as e:
@@ -150,6 +177,7 @@ class Proxy:
             await self._release(request_id, params, "decode_refused")
             return self._relay_error(request_id, "decode", decode_url, upstream)
         media = upstream.headers.get("content-type", "application/json")
+        answer_headers = {"x-request-id": request_id, "server-timing": _server_timing(marks)}
         if not media.startswith("text/event-stream"):  # read it whole: a broken answer becomes a clear 502
             try:
                 content = await _unless_gone(upstream.aread(), gone)
@@ -160,11 +188,11 @@ class Proxy:
             finally:
                 await upstream.aclose()
             self.metrics.requests.labels("ok").inc()
-            return Response(content, media_type=media, headers={"x-request-id": request_id})
+            return Response(content, media_type=media, headers=answer_headers)
         return StreamingResponse(
             self._relay(request_id, decode_url, upstream),
             media_type=media,
-            headers={"x-request-id": request_id},
+            headers=answer_headers,
             background=BackgroundTask(upstream.aclose),
         )
 
