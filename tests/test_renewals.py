@@ -5,15 +5,20 @@ process and a real decode connector."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
+import types
 
+import msgspec
 import pytest
 import zmq
 
+from kvconnect.core.allowlist import parse_allowlist
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import ConnectorConfig
 from kvconnect.core.connector import KVConnector
+from kvconnect.core.decode.releases import Releases
 from kvconnect.core.errors import ConfigError
 from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 from kvconnect.core.plan.params import KVTransferParams
@@ -23,7 +28,7 @@ from kvconnect.core.wire import protocol as p
 from kvconnect.core.wire.handshake import request
 from kvconnect.core.wire.protocol import LeaseState
 from kvconnect.harness.prefill import PrefillProcess
-from tests.helpers import config_for_tests
+from tests.helpers import config_for_tests, params_to
 
 SPEC = CacheSpec(
     kind=LayoutKind.BLOCKS_FIRST,
@@ -87,22 +92,34 @@ def test_a_renewal_claims_no_reader_slot_and_the_read_completes_as_before() -> N
     assert t.complete("a", 0, 1, b"reader-token") is LeaseState.COMPLETED and freed == [1]
 
 
-def test_a_grant_past_the_share_expires_unrenewed_leases_before_renewed_ones() -> None:
-    """`lease_cache_share`: a grant past the bound ends the oldest leases nobody pinned. A renewed lease has a
-    decode waiting for it in its queue; a lease never renewed may be a prefill leg whose decode never came, so
-    those go first, even when younger."""
+def test_a_grant_past_the_share_expires_the_leases_least_recently_granted_or_renewed_first() -> None:
+    """`lease_cache_share`: a grant past the bound ends leases nobody pinned. A lease a decode's queue keeps
+    renewing is wanted; one granted long ago and never renewed is likely a prefill leg whose decode never came,
+    so it goes first, even though it is younger than the renewed one."""
     t, clock, freed = table(ttl=60, max_s=600, max_blocks=4)
     t.grant("waited-for", [1, 2])
     clock.now += 1
     t.grant("abandoned", [3, 4])
+    clock.now += 5
     t.renew("waited-for")
+    clock.now += 1
     t.grant("new", [5, 6])
     assert t.state("abandoned") is LeaseState.EXPIRED and t.state("waited-for") is LeaseState.HELD
-    t.grant("newer", [7])  # "new" is the oldest unrenewed lease: it goes, the older renewed one stays
-    assert t.state("new") is LeaseState.EXPIRED and t.state("waited-for") is LeaseState.HELD
-    t.grant("big", [8, 9, 10])  # ending every unrenewed lease is not enough room: then the renewed one goes
-    assert t.state("newer") is LeaseState.EXPIRED and t.state("waited-for") is LeaseState.EXPIRED
-    assert t.state("big") is LeaseState.HELD and sorted(freed) == [1, 2, 3, 4, 5, 6, 7]
+    clock.now += 1
+    t.grant("newer", [7])  # now "waited-for" (renewed 2 s ago) is less recent than "new" (1 s ago)
+    assert t.state("waited-for") is LeaseState.EXPIRED and t.state("new") is LeaseState.HELD
+    assert sorted(freed) == [1, 2, 3, 4]
+
+
+def test_a_renewal_after_the_ttl_ran_out_ends_the_lease_instead_of_reviving_it() -> None:
+    t, clock, freed = table(ttl=10, max_s=100)
+    t.grant("a", [1])
+    clock.now += 10.5  # (no tick since: the table has not ended it yet)
+    assert t.renew("a") == (LeaseState.EXPIRED, 0.0) and freed == [1]
+    t.grant("b", [2])
+    assert t.pin("b", 0, 30.0, b"tok") is LeaseState.HELD
+    clock.now += 15  # past its TTL but pinned: a read is in flight, the renewal holds it on
+    assert t.renew("b")[0] is LeaseState.HELD
 
 
 def test_the_bound_must_cover_the_ttl_and_the_renewal_period_is_not_negative() -> None:
@@ -116,7 +133,7 @@ def test_the_bound_must_cover_the_ttl_and_the_renewal_period_is_not_negative() -
 def renew_until(dec: KVConnector, params: KVTransferParams, done: threading.Event, period_s: float) -> None:
     """What the vLLM plug-in does while the request waits in its queue: renew every `period_s`."""
     while not done.wait(period_s):  # (pacing the renewals, not waiting for a result)
-        dec.renew_remote(params)
+        dec.renew_remote([(params, b"")])
 
 
 def test_over_the_side_channel_a_renewed_lease_outlives_its_ttl_until_the_bound() -> None:
@@ -194,3 +211,39 @@ def test_a_renewed_lease_never_holds_back_the_expiry_of_the_leases_granted_after
         t.renew("old")
         t.expire()
     assert t.state("young") is LeaseState.EXPIRED and t.state("old") is LeaseState.HELD and freed == [2]
+
+
+def test_a_backlog_of_renewals_to_a_prefill_never_contacted_goes_in_one_channel_and_none_is_dropped() -> None:
+    """A decode with many queued requests for a prefill it has no peer for yet (a fresh decode, a new prefill
+    pod): a period's renewals to one rank share one short channel, instead of taking one each of the 64
+    release-only channels (past which they were dropped, and their leases expired)."""
+    with socket.socket() as s:  # (a port nobody listens on: the renewals wait unanswered)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with KVConnector(KVCache.allocate(SPEC), config_for_tests()) as dec:
+        leases = [(params_to(port, "gone", block_ids=(1,), request_id=f"r{i}"), b"") for i in range(100)]
+        dec.renew_remote(leases)
+        dec.wait_idle()
+        short = dec._decode.peers.short
+        assert len(short) == 1 and short.dropped == 0 and dec._decode.peers.all() == []
+
+
+def test_a_renewal_goes_over_a_peers_channel_only_when_its_handshake_said_it_answers_renewals() -> None:
+    """A prefill from before renewals refuses RENEW as malformed, with an answer that names no request: on a
+    peer's channel it would read as a failed handshake. Such a peer gets no renewal (its lease keeps its TTL)."""
+    sent: list[p.LeaseRequest] = []
+    channel = types.SimpleNamespace(send=sent.append)
+    info = p.PeerInfo(p.PROTOCOL_VERSION, "pre", "a" * 32, "agent", b"", SPEC, [0, 0, 0, 0])
+    peer = types.SimpleNamespace(ready=True, info=info, channel=channel)
+    short = types.SimpleNamespace(send_all=lambda host, port, msgs: sent.extend(msgs))
+    peers = types.SimpleNamespace(get=lambda key: peer, short=short, known_tp=lambda engine_id: 1)
+    releases = Releases(peers, "decode", parse_allowlist(""))  # type: ignore[arg-type]
+    params = params_to(5600, "pre", block_ids=(1, 2), request_id="r")
+    releases.renew([(params, b"")])
+    assert sent == []
+    peer.info = msgspec.structs.replace(info, renews=True)
+    releases.renew([(params, b"")])
+    assert [m.action for m in sent] == [p.LeaseAction.RENEW] and sent[0].lease_id == params.remote_lease_id
+    peer.ready = False  # (a handshake in flight: nothing but its answer on that channel)
+    releases.renew([(params, b"")])
+    assert len(sent) == 1

@@ -67,9 +67,9 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
     # lease the prefill has never seen, for this long, instead of failing the pull. Such an engine must hold
     # the blocks from before the params leave (vLLM does: its request_finished keeps them)
     lease_grace_s: float = 0.0
-    # the share of the cache's blocks that leases may hold at once: a grant beyond it expires the oldest
-    # leases nobody has pinned (prefill legs whose decode never came), so abandoned legs cannot starve the
-    # prefill of blocks until their TTL (a grant is never refused; leases being read stay)
+    # the share of the cache's blocks that leases may hold at once: a grant beyond it expires the leases nobody
+    # has pinned that were least recently granted or renewed (prefill legs whose decode never came), so abandoned
+    # legs cannot starve the prefill of blocks until their TTL (a grant is never refused; leases being read stay)
     lease_cache_share: float = 0.5
     handshake_timeout_s: float = 5.0  # decode: a prefill that has not answered its handshake by then fails its pulls
     pull_timeout_s: float = 30.0  # deadline of one READ, posting to completion

@@ -161,6 +161,7 @@ class KVConnector:
             offers=dict(self._transports.offers),
             lease_board=board.name if board is not None else "",
             boot_id=boot_id() if board is not None else "",
+            renews=True,
         )
 
     # --- prefill role ------------------------------------------------------------------------------
@@ -245,17 +246,21 @@ class KVConnector:
             return
         self._loop.call(lambda: self._decode.release.for_params(params))
 
-    def renew_remote(self, params: KVTransferParams, prompt_digest: bytes = b"") -> None:
-        """Ask the prefill side to keep a lease whose request waits in this decode's queue (best effort,
-        non-blocking): held another TTL there, never past its `lease_max_s`. `prompt_digest`: the binding of the
-        prompt this decode will serve (a lease bound to another refuses it). Params this decode cannot trust, or
-        bound to another prompt, are dropped: a renewal dials the host they name."""
-        try:
-            trusted(params, self.config.keyring, prompt_digest)
-        except KVConnectError as e:
-            log.debug("renewal not sent: %s", e)
-            return
-        self._loop.call(lambda: self._decode.release.renew(params, prompt_digest))
+    def renew_remote(self, leases: Sequence[tuple[KVTransferParams, bytes]]) -> None:
+        """Ask the prefill sides to keep the leases whose requests wait in this decode's queue (best effort,
+        non-blocking): each (params, binding of the prompt this decode will serve) held another TTL there, never
+        past its `lease_max_s`. Params this decode cannot trust, or bound to another prompt, are dropped: a
+        renewal dials the host they name."""
+        kept = []
+        for params, binding in leases:
+            try:
+                trusted(params, self.config.keyring, binding)
+            except KVConnectError as e:
+                log.debug("renewal not sent: %s", e)
+                continue
+            kept.append((params, binding))
+        if kept:
+            self._loop.call(lambda: self._decode.release.renew(kept))
 
     def _pull_done(self, pull: Pull, error: KVConnectError | None) -> None:
         if self._on_pull_done is not None:

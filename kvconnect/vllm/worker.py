@@ -172,11 +172,9 @@ class KVConnectWorker:
                 self._lease_ended(lease.request_id, LeaseState.UNKNOWN)
         for raw in orders.releases:
             self._release(raw)
-        if self._tp_rank == 0:  # (one rank renews on every prefill rank)
-            for params, binding in orders.renewals:
-                conn.renew_remote(params, binding)
-            if orders.renewals:
-                log.debug("kvconnect: renewing %d queued requests' leases", len(orders.renewals))
+        if self._tp_rank == 0 and orders.renewals:  # (one rank renews on every prefill rank)
+            conn.renew_remote(orders.renewals)
+            log.debug("kvconnect: renewing %d queued requests' leases", len(orders.renewals))
         for order in orders.pulls:
             self._start(order)
         if orders.pulls:

@@ -47,17 +47,29 @@ class Releases:
         for rank, host, port in self._targets(params):
             self._send(params, rank, host, port)
 
-    def renew(self, params: KVTransferParams, prompt_digest: bytes) -> None:
-        """Renew the lease on every rank of the prefill's TP group: its request still waits to be scheduled."""
-        msg = lease_client.renew(
-            self._engine_id,
-            params.remote_lease_id or "",
-            params.remote_block_ids or [],
-            prompt_digest,
-            params.remote_group_sizes or (),
-        )
-        for rank, host, port in self._targets(params):
-            self._send(params, rank, host, port, msg)
+    def renew(self, leases: list[tuple[KVTransferParams, bytes]]) -> None:
+        """Renew each (params, prompt binding)'s lease on every rank of its prefill's TP group: their requests
+        still wait to be scheduled. Over the channel of a ready peer that answers renewals; to a rank with no
+        such peer, one short channel per rank for all its renewals (one rank's batch counts once at the cap)."""
+        batches: dict[tuple[str, int], list[p.LeaseRequest]] = {}
+        for params, binding in leases:
+            if not params.remote_engine_id:
+                continue
+            msg = lease_client.renew(
+                self._engine_id,
+                params.remote_lease_id or "",
+                params.remote_block_ids or [],
+                binding,
+                params.remote_group_sizes or (),
+            )
+            for rank, host, port in self._targets(params):
+                peer = self._peers.get(peer_key(params.remote_engine_id, rank))
+                if peer is None:
+                    batches.setdefault((host, port), []).append(msg)
+                elif peer.ready and peer.info is not None and peer.info.renews:
+                    peer.channel.send(msg)
+        for (host, port), msgs in batches.items():
+            self._peers.short.send_all(host, port, msgs)
 
     def to_rank(self, params: KVTransferParams, rank: int) -> None:
         """Release as a non-reader on rank `rank`: on its peer's channel if there is one, else a short one."""
@@ -65,13 +77,10 @@ class Releases:
         if rank < len(targets):
             self._send(params, *targets[rank])
 
-    def _send(
-        self, params: KVTransferParams, rank: int, host: str, port: int, msg: p.LeaseRequest | None = None
-    ) -> None:
-        """Send `msg` (default: a non-reader's release of `params`' lease) to rank `rank`."""
+    def _send(self, params: KVTransferParams, rank: int, host: str, port: int) -> None:
         if not params.remote_engine_id:
             return
-        msg = msg or lease_client.release(
+        msg = lease_client.release(
             self._engine_id,
             params.remote_lease_id or "",
             params.remote_block_ids or [],

@@ -37,15 +37,15 @@ class Holds:
 
     def room_for(self, ids: tuple[int, ...], leases: Iterable[Lease], max_blocks: int | None) -> list[Lease]:
         """The oldest leases nobody has pinned that end so that, with a grant of `ids`, the leases hold at most
-        `max_blocks` (`leases`: the held ones, oldest first): first those no decode has renewed (prefill legs
-        whose decode never came), then renewed ones (a decode's queue waits for them). A grant is never refused:
+        `max_blocks` (`leases`: the held ones), least recently granted or renewed first (prefill legs whose decode
+        never came go before leases a decode's queue still renews). A grant is never refused:
         the request is the engine's to serve. Pinned leases are being read and stay, so what they and the grant
         hold may exceed the bound."""
         held = len(self._count) + sum(1 for b in ids if b not in self._count)
         if max_blocks is None or held <= max_blocks:
             return []
         left, victims = dict(self._count), []
-        ordered = sorted(leases, key=lambda lease: lease.renewals > 0)  # (stable: oldest first within each)
+        ordered = sorted(leases, key=lambda lease: lease.active_s)
         for lease in ordered:
             if held <= max_blocks:
                 break

@@ -29,6 +29,7 @@ class Lease:
     # blocks per KV cache group, `block_ids` being the groups in turn (): one group
     groups: tuple[int, ...] = ()
     renewals: int = 0  # renewals a decode sent while its request waited
+    active_s: float = 0.0  # its grant or its last renewal, whichever came later (the bound evicts by it)
 
     @property
     def request_id(self) -> str:

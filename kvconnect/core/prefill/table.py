@@ -22,11 +22,12 @@ read them. The rules:
   the last pin goes.
 - **Renewals.** A decode whose request waits in its queue renews the lease (`renew`): held another TTL from
   now, never past `max_s` from its grant, so a dead decode's leases still end one TTL after its last renewal,
-  and no lease is held forever. A renewal claims no reader slot and reads nothing.
+  and no lease is held forever. A renewal claims no reader slot and reads nothing; one that comes after the
+  TTL ran out (before a tick ended the lease) ends it instead of reviving it.
 - **Bounded.** Leases hold at most `max_blocks` blocks at once (`lease_cache_share` of the cache): a grant
-  beyond it expires the oldest leases nobody has pinned, those no decode renewed first (prefill legs whose
-  decode never came). A grant is never refused, and pinned leases (being read) stay, so those and the grant
-  may go over the bound.
+  beyond it expires the leases nobody has pinned that were least recently granted or renewed (prefill legs
+  whose decode never came go before leases a queue still renews). A grant is never refused, and pinned leases
+  (being read) stay, so those and the grant may go over the bound.
 - **Work by what is due.** `expire` runs at every connector tick, the engine's included: it looks only at
   leases with something due (a TTL, a pin's deadline, a tombstone to forget: `due.py`), never at the minute's
   tombstones.
@@ -168,6 +169,7 @@ class LeaseTable:
                 content=tuple(int(x) for x in content),
                 prompt=prompt,
                 groups=groups,
+                active_s=now,
             )
             self._leases[lease_id] = self._held[lease_id] = lease
             self._schedule(lease)
@@ -216,13 +218,18 @@ class LeaseTable:
             if lease.state is not LeaseState.HELD:
                 return lease.state, 0.0
             now = self._clock()
-            until = min(now + self.ttl_s, lease.granted_s + self.max_s)
-            if until > lease.expires_s:
-                lease.expires_s = until
-                self.renewals += 1
-                self._schedule(lease)
-            lease.renewals += 1
-            return LeaseState.HELD, max(0.0, lease.expires_s - now)
+            late = now >= lease.expires_s and not lease.pins  # (its TTL ran out before this tick could end it)
+            if not late:
+                # (no new due entry: the one at its old expiry finds it held and schedules the new one)
+                until = min(now + self.ttl_s, lease.granted_s + self.max_s)
+                if until > lease.expires_s:
+                    lease.expires_s = until
+                    self.renewals += 1
+                lease.renewals += 1
+                lease.active_s = now
+                return LeaseState.HELD, max(0.0, lease.expires_s - now)
+        log.warning("lease %s expired unread: renewed after its TTL ran out", lease.request_id)
+        return self._end(lease_id, LeaseState.EXPIRED), 0.0
 
     def unpin(self, lease_id: str, reader: int, token: bytes = b"") -> None:
         """`reader` no longer reads: drop its pin (and hand back the blocks of a lease that ended meanwhile).

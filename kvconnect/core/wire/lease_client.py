@@ -163,45 +163,52 @@ def release_targets(params: KVTransferParams, known_tp: int = 0) -> list[tuple[i
 
 
 class ShortChannels:
-    """Release-only channels for the decode loop (loop thread only): one per release (or renewal), dropped
-    when its answer arrives or `SHORT_CHANNEL_S` after it was sent, `SHORT_CHANNELS_MAX` at most."""
+    """Release-only channels for the decode loop (loop thread only): one per release, or per batch of
+    renewals to one rank, dropped when its answers arrive or `SHORT_CHANNEL_S` after it was sent,
+    `SHORT_CHANNELS_MAX` at most. Their answers are not read: a peer that cannot parse a request harms none."""
 
     def __init__(self, ctx: zmq.Context, secret: bytes | Keyring) -> None:
         self._ctx = ctx
         self._secret = secret
-        self._open: list[tuple[PeerChannel, float]] = []  # (channel, when to close it)
-        self.dropped = 0  # releases not sent because the cap was reached
+        self._open: list[list[Any]] = []  # [channel, when to close it, answers still due]
+        self.dropped = 0  # requests not sent because the cap was reached
 
     def __len__(self) -> int:
         return len(self._open)
 
     def send(self, host: str, port: int, msg: p.LeaseRequest) -> bool:
         """Send `msg` on a channel of its own; False (nothing sent) at the cap."""
+        return self.send_all(host, port, [msg])
+
+    def send_all(self, host: str, port: int, msgs: Sequence[p.LeaseRequest]) -> bool:
+        """Send `msgs` on one channel of their own (one rank's renewals); False (nothing sent) at the cap."""
         if len(self._open) >= SHORT_CHANNELS_MAX:
-            self.dropped += 1
+            self.dropped += len(msgs)
             return False
         channel = PeerChannel(self._ctx, host, port, self._secret)
         try:
-            channel.send(msg)
+            for msg in msgs:
+                channel.send(msg)
         except KVConnectError:
             channel.close()
             return False
-        self._open.append((channel, time.monotonic() + SHORT_CHANNEL_S))
+        self._open.append([channel, time.monotonic() + SHORT_CHANNEL_S, len(msgs)])
         return True
 
     def poll(self, now: float) -> None:
-        """Close every channel that was answered (the answer itself is not needed) or whose time is up."""
+        """Close every channel whose requests were all answered (the answers are not needed) or whose time is up."""
         keep = []
-        for channel, close_s in self._open:
-            if channel.receive() or now >= close_s:
-                channel.close()
+        for entry in self._open:
+            entry[2] -= len(entry[0].receive())
+            if entry[2] <= 0 or now >= entry[1]:
+                entry[0].close()
             else:
-                keep.append((channel, close_s))
+                keep.append(entry)
         self._open = keep
 
     def close(self) -> None:
-        for channel, _ in self._open:
-            channel.close()
+        for entry in self._open:
+            entry[0].close()
         self._open = []
 
 

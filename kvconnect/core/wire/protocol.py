@@ -122,6 +122,9 @@ class PeerInfo(msgspec.Struct, tag="peer_info"):
     # (transports/: e.g. "ipc": where a same-host GPU peer maps the regions from). NIXL needs none.
     offers: dict[str, bytes] = {}
     lease_board: str = ""  # the name of its lease board in the host's shared memory ("": none; board.py)
+    # it answers RENEW (a peer from before renewals would refuse one as malformed: a decode renews over the
+    # channel of a peer that said so, and otherwise only over a channel of its own, whose answers nobody reads)
+    renews: bool = False
     boot_id: str = ""  # its kernel's boot id: a decode opens its board only where its own is the same
 
 
