@@ -213,6 +213,7 @@ class KVConnector:
         driven: bool = False,
         requested_s: float | None = None,
         tail: GroupedBlocks | None = None,
+        skip_tokens: int = 0,
     ) -> PullHandle:
         """Start pulling `params.remote_block_ids` into `local_block_ids`; never blocks on the peer.
         InvalidRequestError (naming the field) when the params or ids are invalid, or cannot be trusted (signed
@@ -221,9 +222,13 @@ class KVConnector:
         `driven`: the caller calls `drive()` right after, which then starts the pull on its thread (the loop thread
         is not woken for it). `requested_s`: when the caller was asked for the pull (`time.monotonic()`, default
         now): the pull's stats count from there. `tail`: read only these blocks, a tail of each group of the params'
-        blocks (the caller's own prefix-cache hit holds the rest), into `local_block_ids`; default: all of them."""
+        blocks (the caller's own prefix-cache hit holds the rest), into `local_block_ids`; default: all of them.
+        `skip_tokens` (one KV cache group, block sizes that may differ): the caller's prefix-cache hit holds the
+        lease's first `skip_tokens` tokens (whole local blocks); read the rest into `local_block_ids`."""
         try:
-            handle, start = self._decode.prepare(params, local_block_ids, request_id, prompt_digest, requested_s, tail)
+            handle, start = self._decode.prepare(
+                params, local_block_ids, request_id, prompt_digest, requested_s, tail, skip_tokens
+            )
         except KVConnectError as e:  # refused before anything started: counted and reported like any failed pull
             self._counters.failed(e)
             if self._on_pull_done is not None:

@@ -202,8 +202,12 @@ class KVConnectWorker:
                 )
             field = "kv_transfer_params.remote_block_ids"
             remote = GroupedBlocks.flat(params.remote_block_ids, params.remote_group_sizes, field)
-            # the local prefix cache filled each group's first blocks: read the tail of the prefill's
-            local, tail = tail_pairs(GroupedBlocks.of(order.local_block_ids), remote, field)
+            if remote.num_groups == 1:
+                # the local prefix cache holds the first tokens: the connector reads the prefill's blocks from the
+                # one past them once the handshake said their size (which may differ from ours)
+                local, tail, skip = GroupedBlocks.of(order.local_block_ids), None, order.num_local_hit_tokens
+            else:  # the local prefix cache filled each group's first blocks: read the tail of the prefill's
+                (local, tail), skip = tail_pairs(GroupedBlocks.of(order.local_block_ids), remote, field), 0
             load.handle = self._require().pull(
                 params,  # (as the prefill signed them; the connector reads `tail` of their blocks)
                 local.ids,  # (an array: the connector checks it as one)
@@ -212,6 +216,7 @@ class KVConnectWorker:
                 driven=True,
                 requested_s=requested_s,
                 tail=tail,
+                skip_tokens=skip,
             )  # (bind_connector_metadata drives right after)
         except KVConnectError as e:
             self._failed(load, e)

@@ -223,12 +223,35 @@ class PeerSet:
             setup_s * 1e3,
         )
 
+    def _skip(self, pull: Pull, remote_block: int) -> None:
+        """Read only the lease's tokens past the decode's own prefix-cache hit (`Pull.skip_tokens`): the prefill's
+        blocks from the one that starts there. A hit that ends inside a prefill block is refused: its first tokens
+        would land in blocks the hit holds (shared with other requests)."""
+        skip, field = pull.skip_tokens, "kv_transfer_params.remote_block_ids"
+        if skip % remote_block:
+            raise InvalidRequestError(
+                field,
+                f"this decode's prefix cache holds the first {skip} tokens, which end inside a prefill block of "
+                f"{remote_block} tokens: the rest cannot be read into whole blocks of its own",
+            )
+        if pull.num_tokens is not None:
+            if pull.num_tokens <= skip:
+                raise InvalidRequestError(field, f"the lease holds {pull.num_tokens} tokens, {skip} are held here")
+            pull.num_tokens -= skip
+        first = skip // remote_block
+        if first >= pull.remote_block_ids.size:
+            raise InvalidRequestError(field, f"{pull.remote_block_ids.size} blocks hold no tokens past {skip}")
+        pull.remote_block_ids = pull.remote_block_ids[first:]
+        pull.skip_tokens = 0
+
     def prepare(self, peer: Peer, pull: Pull) -> Move | None:
         """`pull`'s move through the peer's link (None: no room on the link now, ask again later), with the
         tokens its blocks hold worked out where block sizes differ. InvalidRequestError when the ids do not
         fit the peer."""
         plan, link, info = peer.plan, peer.link, peer.info
         assert plan is not None and link is not None and info is not None
+        if pull.skip_tokens:
+            self._skip(pull, info.spec.block_size)
         if len(pull.group_sizes) > 1 and (plan.path is not Path.BLOCK or not plan.pair.block_for_block):
             raise InvalidRequestError(
                 "kv_transfer_params.remote_group_sizes",

@@ -102,6 +102,9 @@ class Pull:
     leased: GroupedBlocks | None = None
     # what the board must show for its lease (confirm.py; None: not worked out)
     board_binding: bytes | None = None
+    # the lease's first tokens the decode's own prefix cache holds: `remote_block_ids` are then all the lease's,
+    # until the peer's block size says which of them to read (peers.py, `prepare`)
+    skip_tokens: int = 0
 
     def notif(self, incarnation_id: str) -> bytes:
         """The notification this pull's READ carries to the prefill (it completes the lease for this reader)."""

@@ -112,10 +112,12 @@ class Puller:
         prompt_digest: bytes = b"",
         requested_s: float | None = None,
         tail: GroupedBlocks | None = None,
+        skip_tokens: int = 0,
     ) -> tuple[PullHandle, Callable[[], None]]:
         """Validate a pull; returns its handle and the function that starts it at the next tick. Params this decode
         cannot trust (signed: `plan/signing.py`), or granted for another prompt, are refused here: before anything
-        is dialled. `tail`: the blocks to read, a tail of each group of the params' (`KVConnector.pull`)."""
+        is dialled. `tail`: the blocks to read, a tail of each group of the params'; `skip_tokens`: the lease's first
+        tokens the caller holds already (`KVConnector.pull`)."""
         spec, timeout_s = self._cache.spec, self._config.pull_timeout_s
         trusted(params, self._keys, prompt_digest)
         field = f"{FIELD}.remote_block_ids"
@@ -127,9 +129,12 @@ class Puller:
             params = msgspec.structs.replace(
                 params, remote_block_ids=tail.ids.tolist(), remote_group_sizes=wanted, remote_num_tokens=None
             )
+        if skip_tokens and (tail is not None or len(leased.sizes) > 1 or skip_tokens % spec.block_size):
+            raise InvalidRequestError(field, f"{skip_tokens} tokens to skip: whole blocks of one KV cache group only")
         pull = Pull.from_params(
             params, local_block_ids, request_id, spec, timeout_s, prompt_digest, requested_s, leased
         )
+        pull.skip_tokens = skip_tokens
         self._allowed.check(pull.remote_host, "kv_transfer_params.remote_host")
         sources = self.peers.sources(pull.remote_tp)
         parts = pull.parts_for(sources.reads)

@@ -12,7 +12,9 @@ Two decisions, both made once per peer at handshake time:
    - `block`: the blocks are the same bytes on both sides; whole units, as for equal specs.
    - `direct`: NIXL places the pieces of each token segment straight into the decode cache with CHUNK
      descriptors (one piece per segment and K/V half where HND keeps a head slice contiguous, or NHD a
-     token range of all heads; many small pieces otherwise).
+     token range of all heads; many small pieces otherwise). An engine's pages move as runs of heads
+     (`head_run_pair`), or, between vLLM CPU pages of different block sizes, as the pieces of each
+     segment their instruction set's layout allows (`cpu_pages.py`).
    - `staging`: whole remote blocks are read block for block into a staging cache shaped like the remote
      one, then scattered and permuted on the device (`staging.py`).
    `auto` takes the cheaper of the two by `CostModel` (a per-descriptor cost dominates: on a GPU, direct
@@ -30,6 +32,7 @@ import msgspec
 import numpy as np
 
 from kvconnect.core.errors import LayoutMismatchError
+from kvconnect.core.plan.cpu_pages import page_pair
 from kvconnect.core.plan.descriptors import PairPlan
 from kvconnect.core.plan.layout import (
     CacheSpec,
@@ -293,6 +296,12 @@ def plan_source(
     if same_block_shape(local, remote):
         return SourcePlan(source, Path.BLOCK, PairPlan.build(local, remote), "same blocks")
     why = _why(local, remote, source.heads)
+    if (
+        local.page
+        and local.block_size != remote.block_size
+        and not (holds_state(local.page) or holds_state(remote.page))
+    ):
+        return SourcePlan(source, Path.DIRECT, page_pair(local, remote, source.heads), why + " (engine pages)")
     if local.page:
         return SourcePlan(source, Path.DIRECT, head_run_pair(local, remote, source.heads), why + " (engine pages)")
     direct = chunked_pair(local, remote, source.heads)
