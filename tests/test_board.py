@@ -375,7 +375,8 @@ def test_a_vllm_worker_reading_the_tail_of_a_lease_is_usable_from_the_board_over
             dec.pull(pre.lease("first contact", [3], 32), [3]).wait(30)  # (the peer is ready: no handshake below)
             assert pre.ask("hold_pins", "and_notifs") == "ok"
             params = pre.lease("tail", [2, 9, 10], 96)
-            decode.bind_connector_metadata(StepOrders(pulls=[PullOrder("tail", params, [[4, 1]], 96, 0)], idle=True))
+            order = PullOrder("tail", params, [[4, 1]], 96, 32)  # (its prefix cache holds the first 32 tokens)
+            decode.bind_connector_metadata(StepOrders(pulls=[order], idle=True))
             handle = decode._loads["tail"].handle
             assert handle is not None
             poll_until(lambda: (dec.drive(), handle.done())[1], what="the pull usable, its PIN unanswered")
