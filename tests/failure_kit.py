@@ -380,7 +380,10 @@ def permute_prefill_blocks(tamper_dir: Path, block_ids: list[int], nudge: Callab
     order = tamper_dir / "blocks.json"
     done = tamper_dir / "done.json"
     done.unlink(missing_ok=True)
-    order.write_text(json.dumps(block_ids))
+    # whole or absent: the worker checks before every step, and a half-written order killed its engine
+    staged = tamper_dir / "blocks.json.part"
+    staged.write_text(json.dumps(block_ids))
+    staged.replace(order)
     deadline = time.monotonic() + 60
     while not done.exists():
         assert time.monotonic() < deadline, "the prefill did not rewrite the blocks within 60 s"

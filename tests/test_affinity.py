@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -51,7 +52,13 @@ def test_threads_the_connector_starts_leave_the_core_its_creator_was_pinned_to()
         before = threads()
         conn = KVConnector(KVCache.allocate(SPEC), config_for_tests())
         try:
-            seen["new"] = {tid: v for tid, v in threads().items() if tid not in before}
+            # A thread names itself once it runs: a new ZMQ I/O thread reads "python" for a moment.
+            deadline = time.monotonic() + 10
+            while True:
+                seen["new"] = new = {tid: v for tid, v in threads().items() if tid not in before}
+                if any(name.startswith("ZMQbg/IO") for name, _ in new.values()) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
             seen["own"] = frozenset(os.sched_getaffinity(0))
         finally:
             conn.close()

@@ -12,6 +12,7 @@ the queue and its request fails (vLLM's failure policy "fail").
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -25,18 +26,21 @@ pytestmark = pytest.mark.vllm
 from kvconnect.harness.net import poll_until  # noqa: E402
 from kvconnect.harness.tiny_llama import TinyLlama, build, prompt_of  # noqa: E402
 from kvconnect.harness.vllm_cluster import Server, VllmCluster, generate, kvconnect_config  # noqa: E402
-from tests.faultkit import metric_sum, open_request  # noqa: E402
+from tests.faultkit import metric_sum, open_request, scrape  # noqa: E402
 from tests.helpers import VLLM_DTYPE  # noqa: E402
 from tests.vllm_kit import MAX_TOKENS, decode_leg, prefill_leg  # noqa: E402
 
 TTL_S = 20.0  # long: a busy decode on 2 cores took ~13 s to admit a request (its HTTP layer starved)
 BLOCKERS = 3
-BLOCKER_TOKENS = 8100  # the long request that holds a decode's one run slot until the test ends it
+RUNNING_WAITING = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+BLOCKER_TOKENS = 32000  # the long request that holds a decode's one run slot until the test ends it
+MAX_MODEL_LEN = 32768
 
 
 @pytest.fixture(scope="module")
 def c(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmCluster]:
-    ckpt = build(tmp_path_factory.mktemp("tiny-llama"), TinyLlama.named("tiny"))
+    model = dataclasses.replace(TinyLlama.named("tiny"), max_positions=MAX_MODEL_LEN)
+    ckpt = build(tmp_path_factory.mktemp("tiny-llama"), model)
     one_at_a_time = ["--max-num-seqs", "1"]
     servers = [
         Server(
@@ -58,7 +62,7 @@ def c(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmCluster]:
         ),
     ]
     with VllmCluster(
-        str(ckpt), servers, str(tmp_path_factory.mktemp("vllm-logs")), dtype=VLLM_DTYPE, max_model_len=8192
+        str(ckpt), servers, str(tmp_path_factory.mktemp("vllm-logs")), dtype=VLLM_DTYPE, max_model_len=MAX_MODEL_LEN
     ) as cluster:
         yield cluster
 
@@ -66,6 +70,14 @@ def c(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmCluster]:
 def metric(c: VllmCluster, name: str, metric: str, **labels: str) -> float:
     # (a decode generating the long request on its one core answers /metrics slowly: seconds, not ms)
     return metric_sum(c.urls[name], metric, timeout_s=60, **labels)
+
+
+def in_queue(c: VllmCluster, name: str) -> tuple[float, float]:
+    """(running, waiting) from one scrape: a busy decode renders /metrics in seconds, so each look is one scrape."""
+    got = scrape(c.urls[name], timeout_s=60)
+    return tuple(  # type: ignore[return-value]
+        sum(v for (n, _), v in got.items() if n == metric) for metric in RUNNING_WAITING
+    )
 
 
 def expired(c: VllmCluster) -> float:
@@ -86,32 +98,29 @@ def queued_past_the_ttl(c: VllmCluster, name: str, seed: int) -> tuple[dict[str,
     blockers = []
     with cf.ThreadPoolExecutor(1) as pool:
         try:
-            for i in range(BLOCKERS):
+            # (looks a second apart: back-to-back scrapes of a starved API server delayed its admissions)
+            blockers.append(open_request(c.urls[name], "/v1/completions", json.dumps(body).encode(), "b0"))
+            poll_until(lambda: in_queue(c, name) == (1, 0), timeout_s=120, what="blocker 0 running", interval_s=1)
+            for i in range(1, BLOCKERS):
                 blockers.append(open_request(c.urls[name], "/v1/completions", json.dumps(body).encode(), f"b{i}"))
-                poll_until(
-                    lambda i=i: (
-                        metric(c, name, "vllm:num_requests_running") == 1
-                        and metric(c, name, "vllm:num_requests_waiting") == i
-                    ),
-                    timeout_s=60,
-                    what=f"blocker {i} in",
-                )
+            poll_until(
+                lambda: in_queue(c, name) == (1, BLOCKERS - 1), timeout_s=120, what="blockers queued", interval_s=1
+            )
             params = prefill_leg(c, prompt)
             granted = time.monotonic()
             leg = pool.submit(decode_leg, c, name, prompt, params)
-            poll_until(
-                lambda: metric(c, name, "vllm:num_requests_waiting") == BLOCKERS, timeout_s=60, what="leg queued"
-            )
+            poll_until(lambda: in_queue(c, name) == (1, BLOCKERS), timeout_s=120, what="leg queued", interval_s=1)
             # (a lease expiry shows in the count before the deadline)
             poll_until(
                 lambda: expired(c) > before or time.monotonic() > granted + 1.5 * TTL_S,
                 timeout_s=3 * TTL_S,
                 what="the lease expired or 1.5 TTLs since its grant",
+                interval_s=0.5,
             )
             poll_until(lambda: time.monotonic() > granted + 1.5 * TTL_S, timeout_s=3 * TTL_S, what="1.5 TTLs")
             # (still queued: the leg came last, and a blocker still waits or runs)
-            assert metric(c, name, "vllm:num_requests_waiting") >= 1
-            assert metric(c, name, "vllm:num_requests_running") == 1
+            running, waiting = in_queue(c, name)
+            assert running == 1 and waiting >= 1, (running, waiting)
         finally:
             for blocker in blockers:
                 blocker.close()  # the clients go away: vLLM aborts the blockers and the queued leg runs
