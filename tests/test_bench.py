@@ -52,6 +52,7 @@ def parse(*argv: str) -> argparse.Namespace:
         (["--token-layouts", "NHD:DHN"], "bad token layout pair 'NHD:DHN'"),
         (["--hetero-path", "auto,fast"], "bad hetero path 'fast': expected auto, direct, staging"),
         (["--decode-block-size", "0"], "must be >= 1"),
+        (["--merge", "on,maybe"], "bad --merge 'maybe': expected on, off or on,off"),
     ],
 )
 def test_bad_arguments_fail_with_a_clear_message(argv, message, capsys) -> None:
@@ -206,6 +207,25 @@ def test_unconfirmed_runs_pattern_mixed_pair(tmp_path) -> None:
     assert mixed.granularity == "LAYER" and mixed.num_descs == 4 * 8 and mixed.verified_pulls == 4
     assert same.granularity == "BLOCK" and same.num_descs == 8
     assert 1 <= same.num_descs_merged <= 2  # two runs of 4 blocks (adjacent on both sides by chance: one)
+
+
+def test_merge_off_issues_every_unit_apart_on_the_same_ids(tmp_path) -> None:
+    """The same contiguous pulls with NIXL's merging on and off (real NIXL, its telemetry counting what it
+    issued): on, 8 blocks of 4 layers go out as one descriptor per layer; off, as 32, and the stats say so.
+    Shuffled cases run in an order drawn from the seed, every case still once."""
+    argv = ["bench", "--model", "small", "--tokens", "128", "--pattern", "contiguous", "--layouts", "blocks_first"]
+    argv += ["--merge", "on,off", "--telemetry", "--reps", "2", "--warmup", "0", "--no-progress"]
+    assert main([*argv, "--json", str(tmp_path / "b.json")]) == 0
+    report = read_json(tmp_path / "b.json")
+    assert report.options.merges == [True, False] and report.options.telemetry
+    merged, apart = report.cases
+    assert (merged.label, apart.label) == ("blocks_first:blocks_first", "blocks_first:blocks_first merge off")
+    assert (merged.num_descs, merged.num_descs_merged, merged.num_descs_issued) == (32, 4, 4)
+    assert (apart.num_descs, apart.num_descs_merged, apart.num_descs_issued) == (32, 32, 32)
+    assert apart.verified_bytes == merged.verified_bytes == 3 * apart.bytes
+    keys = [bench_args.options_from_args(parse(*argv[1:], "--shuffle", "--seed", str(s))) for s in range(8)]
+    orders = {tuple(k.label for k in plan_cases(o)) for o in keys}
+    assert len(orders) == 2 and all(sorted(order) == sorted(next(iter(orders))) for order in orders)
 
 
 # --- heterogeneous pairs -------------------------------------------------------------------------

@@ -156,6 +156,13 @@ def parse_hetero_paths(text: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def parse_merges(text: str) -> list[bool]:
+    words, out = {"on": True, "off": False}, [p.strip() for p in text.split(",") if p.strip()]
+    if (bad := [p for p in out if p not in words]) or not out:
+        raise argparse.ArgumentTypeError(f"bad --merge {','.join(bad) or text!r}: expected on, off or on,off")
+    return list(dict.fromkeys(words[p] for p in out))
+
+
 def parse_ucx(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not _ENV_NAME.match(key):
@@ -260,6 +267,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--warmup", type=_non_negative_int, default=1, help="untimed pulls per case after the first-contact pull"
     )
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument(
+        "--shuffle",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run the cases in an order drawn from --seed (so runs with different seeds take different orders)",
+    )
     m = parser.add_argument_group("memory and transport")
     m.add_argument("--prefill-device", type=parse_device, default="cpu", help="cpu (DRAM) or cuda:N (VRAM)")
     m.add_argument("--decode-device", type=parse_device, default="cpu", help="cpu (DRAM) or cuda:N (VRAM)")
@@ -287,6 +300,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="lease confirmation round trip before blocks count as usable (default on)",
     )
     m.add_argument("--pull-timeout", type=float, default=60.0, help="seconds per pull")
+    m.add_argument(
+        "--merge",
+        type=parse_merges,
+        default=[True],
+        help="NIXL's merging of descriptors adjacent on both sides: on (default), off, or on,off to compare "
+        "(off issues every block's units apart: what merging saves, on the same ids)",
+    )
+    m.add_argument("--telemetry", action="store_true", help="NIXL's telemetry: the 'issued' column (what it issued)")
     o = parser.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write every figure and the environment as JSON")
     o.add_argument("--plot", metavar="PATH", help="write a PNG: GB/s and %% of ceiling vs bytes per descriptor")
@@ -368,4 +389,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         tp_pairs=tp_pairs,
         token_layouts=args.token_layouts or [("NHD", "NHD")],
         hetero_paths=args.hetero_path or ["auto"],
+        merges=args.merge,
+        shuffle=args.shuffle,
+        telemetry=args.telemetry,
     )

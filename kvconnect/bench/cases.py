@@ -61,10 +61,11 @@ class CaseKey:
     tp: tuple[int, int] = (1, 1)  # (prefill, decode) TP sizes
     token_layouts: tuple[str, str] = ("NHD", "NHD")  # (prefill, decode)
     hetero_path: str = "auto"  # ConnectorConfig.hetero_path of the decode side
+    merge: bool = True  # ConnectorConfig.merge_descs of the decode side
 
     @property
     def label(self) -> str:
-        pair = f"{self.prefill_layout}:{self.decode_layout}"
+        pair = f"{self.prefill_layout}:{self.decode_layout}" + ("" if self.merge else " merge off")
         if (self.tp, self.token_layouts, self.hetero_path) != ((1, 1), ("NHD", "NHD"), "auto"):
             pair += f" tp {self.tp[0]}:{self.tp[1]} {':'.join(self.token_layouts)} path {self.hetero_path}"
         return f"{pair} {self.tokens} tokens {self.pattern} via {self.transport}"
@@ -144,12 +145,12 @@ def case_shape(
 
 
 def plan_cases(opts: BenchOptions) -> list[CaseKey]:
-    """Every case of a run, in order. A case whose sources would take the same paths as an earlier one that
-    differs only in hetero_path (every path of a pair with equal blocks; a forced path `auto` picks anyway)
-    runs once, under the first hetero_path asked."""
+    """Every case of a run, in order (shuffled by the seed when asked). A case whose sources would take the same
+    paths as an earlier one that differs only in hetero_path (every path of a pair with equal blocks; a forced
+    path `auto` picks anyway) runs once, under the first hetero_path asked."""
     seen: set[tuple[CaseKey, tuple[str, ...]]] = set()
     out = []
-    for pattern, tokens, transport, tp, orders, path, pair in itertools.product(
+    for pattern, tokens, transport, tp, orders, path, pair, merge in itertools.product(
         opts.patterns,
         opts.tokens,
         opts.transports,
@@ -157,10 +158,13 @@ def plan_cases(opts: BenchOptions) -> list[CaseKey]:
         opts.token_layouts,
         opts.hetero_paths,
         opts.layout_pairs,
+        opts.merges,
     ):
-        key = CaseKey(pair[0], pair[1], pattern, tokens, transport, (tp[0], tp[1]), (orders[0], orders[1]), path)
+        key = CaseKey(pair[0], pair[1], pattern, tokens, transport, (tp[0], tp[1]), (orders[0], orders[1]), path, merge)
         ident = (replace(key, hetero_path=""), case_shape(opts.geometry, key, opts.cache_factor).paths(path))
         if ident not in seen:
             seen.add(ident)
             out.append(key)
+    if opts.shuffle:
+        return [out[i] for i in np.random.default_rng(opts.seed).permutation(len(out))]
     return out

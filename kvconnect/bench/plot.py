@@ -49,7 +49,7 @@ def _plot_lines(axes: Any, cases: list[CaseResult], tokens: list[int], patterns:
 
 def _point_label(case: CaseResult, pairs: int) -> str:
     label = f"tp{case.tp} {case.token_layouts}" + ("!" if case.hetero_path != "auto" else "")
-    return f"{case.pair} {label}" if pairs > 1 else label
+    return f"{case.label} {label}" if pairs > 1 else label
 
 
 def _plot_by_path(axes: Any, cases: list[CaseResult]) -> None:
@@ -57,7 +57,7 @@ def _plot_by_path(axes: Any, cases: list[CaseResult]) -> None:
     token layouts ('!' when the path was forced)."""
     import matplotlib.pyplot as plt
 
-    pairs = len({c.pair for c in cases})
+    pairs = len({c.label for c in cases})
     for i, path in enumerate(dict.fromkeys(c.path for c in cases)):
         color = plt.get_cmap("tab10")(i % 10)
         mine = [c for c in cases if c.path == path]

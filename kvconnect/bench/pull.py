@@ -253,6 +253,7 @@ def rep_result(outcome: PullOutcome) -> RepResult:
         total_s=stats.total_s,
         num_descs_merged=stats.num_descs_merged,
         scatter_s=outcome.scatter_s,
+        num_descs_issued=stats.num_descs_issued,
     )
 
 
@@ -306,6 +307,7 @@ def measure_case(
         transport=TransportChoice(key.transport),
         hetero_path=HeteroPathChoice(key.hetero_path),
         staging_mb=shape.staging_mb,
+        merge_descs=key.merge,
     )
     case = DecodeCase(
         peers,
@@ -360,4 +362,5 @@ def measure_case(
         load_1m=os.getloadavg()[0],
         useful_bytes=shape.useful_bytes,
         hetero=hetero,
+        merge=key.merge,
     )

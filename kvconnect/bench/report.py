@@ -57,6 +57,11 @@ class BenchOptions(msgspec.Struct, frozen=True):
     tp_pairs: list[tuple[int, int]] = msgspec.field(default_factory=lambda: [(1, 1)])
     token_layouts: list[tuple[str, str]] = msgspec.field(default_factory=lambda: [("NHD", "NHD")])
     hetero_paths: list[str] = msgspec.field(default_factory=lambda: ["auto"])
+    # NIXL's merging of adjacent descriptors per case (False: skip_desc_merge, to measure what it saves), and
+    # NIXL's per-transfer telemetry (the descriptors it really issued, per pull)
+    merges: list[bool] = msgspec.field(default_factory=lambda: [True])
+    telemetry: bool = False
+    shuffle: bool = False  # run the cases in an order drawn from `seed` (runs with other seeds: other orders)
 
     @property
     def hetero(self) -> bool:
@@ -78,6 +83,7 @@ class RepResult(msgspec.Struct, frozen=True):
     total_s: float
     num_descs_merged: int
     scatter_s: float = 0.0  # staging path: staging -> decode cache (summed over the sources)
+    num_descs_issued: int = 0  # what NIXL's telemetry says it issued (0: telemetry off)
 
 
 class Ceiling(msgspec.Struct, frozen=True):
@@ -130,6 +136,13 @@ class CaseResult(msgspec.Struct, frozen=True):
     useful_bytes: int = 0  # decode rank 0's share: its KV heads of tokens [0, n); 0 in older files (= bytes)
     scatter_ms_median: float = 0.0
     staging_mb: int = 0  # the decode connector's staging cache per source shape, sized from the request
+    merge: bool = True  # NIXL merged adjacent descriptors (False: skip_desc_merge)
+    num_descs_issued: int = 0  # median over timed reps of what NIXL's telemetry says it issued (0: off)
+
+    @property
+    def label(self) -> str:
+        """The layout pair, and "merge off" when NIXL's merging was off."""
+        return self.pair if self.merge else f"{self.pair} merge off"
 
     @property
     def pair(self) -> str:
@@ -164,7 +177,7 @@ class CaseResult(msgspec.Struct, frozen=True):
     def series(self) -> str:
         """The plot's line: the layout pair (with TP, token layouts and path when heterogeneous), and the
         transport when it is not NIXL."""
-        name = self.pair
+        name = self.label
         if self.hetero:
             name += f" tp{self.tp} {self.token_layouts} {self.path}"
         return name if self.transport_used == "nixl" else f"{name} ({self.transport_used})"
@@ -217,6 +230,7 @@ def summarize_case(
     load_1m: float = 0.0,
     useful_bytes: int = 0,
     hetero: HeteroFields | None = None,
+    merge: bool = True,
 ) -> CaseResult:
     """Medians and tails of the timed reps, plus the ratio to the same-run ceiling. Rates count the useful
     bytes (`useful_bytes`, default `total_bytes`: decode rank 0's share) over post + transfer + scatter."""
@@ -239,6 +253,8 @@ def summarize_case(
         granularity=granularity,
         num_descs=num_descs,
         num_descs_merged=merged,
+        merge=merge,
+        num_descs_issued=int(np.median([r.num_descs_issued for r in reps])),
         bytes_per_desc=total_bytes / max(merged, 1),
         first_contact_s=first_contact_s,
         first_pull_total_s=first_pull_total_s,

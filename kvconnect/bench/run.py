@@ -132,6 +132,7 @@ def run_bench(opts: BenchOptions, command: list[str] | None = None) -> BenchRepo
         side_channel_host="127.0.0.1",
         confirm_reads=opts.confirm,
         nixl_threads=opts.nixl_threads,
+        telemetry=opts.telemetry,
         pull_timeout_s=opts.pull_timeout_s,
         lease_ttl_s=max(60.0, 2 * opts.pull_timeout_s),
     )

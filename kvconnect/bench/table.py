@@ -19,13 +19,14 @@ _Column = tuple[str, int, Callable[[CaseResult], str]]
 
 _COLUMNS: tuple[_Column, ...] = (
     # header, width, formatter
-    ("layout pair", 27, lambda c: c.pair),
+    ("layout pair", 35, lambda c: c.label),
     ("tokens", 6, lambda c: str(c.tokens)),
     ("pattern", 10, lambda c: c.pattern),
     ("via", 4, lambda c: c.transport_used),
     ("MiB", 8, lambda c: f"{c.bytes / 2**20:.1f}"),
     ("descs", 7, lambda c: str(c.num_descs)),
     ("merged", 7, lambda c: str(c.num_descs_merged)),
+    ("issued", 7, lambda c: str(c.num_descs_issued) if c.num_descs_issued else "-"),
     ("B/desc", 9, lambda c: size_label(c.bytes_per_desc)),
     ("post ms", 8, lambda c: f"{c.post_ms_median:.2f}"),
     ("xfer ms", 8, lambda c: f"{c.xfer_ms_median:.2f}"),
@@ -71,7 +72,8 @@ def columns(hetero: bool) -> tuple[_Column, ...]:
 
 _LEGEND = (
     "layout pair = prefill:decode; via = transport used. descs/merged = descriptors per request before/after "
-    "merging runs of adjacent blocks; B/desc after merging. post/xfer = median time to post (plan + "
+    "merging runs of adjacent blocks ('merge off': NIXL issued every one apart); issued = what NIXL's "
+    "telemetry says it issued ('-': --telemetry off); B/desc after merging. post/xfer = median time to post (plan + "
     "make_prepped_xfer + transfer()) and from posting to completion; when transfer() completes the copy "
     "itself (UCX cma) the copy shows under post. GB/s = bytes / (post + xfer), median over reps; p90 = the "
     "same at the 90th percentile of (post + xfer), i.e. the slow tail; e2e = bytes / (pull requested -> "

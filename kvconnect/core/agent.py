@@ -112,6 +112,7 @@ class AgentOptions:
     num_threads: int = 0
     progress_thread: bool = False  # NIXL's progress thread busy-spins a core; we poll instead
     telemetry: bool = False
+    merge_descs: bool = True  # NIXL's merging of adjacent descriptors (off: `skip_desc_merge`, to measure it)
     backends: tuple[str, ...] = ("UCX",)
 
 
@@ -220,7 +221,15 @@ class NixlAgent:
     ) -> XferHandle:
         """Create a READ of remote descriptors into local ones; post it with `post`."""
         try:
-            h = self._agent.make_prepped_xfer("READ", local.handle, local_indices, remote.handle, remote_indices, notif)
+            h = self._agent.make_prepped_xfer(
+                "READ",
+                local.handle,
+                local_indices,
+                remote.handle,
+                remote_indices,
+                notif,
+                skip_desc_merge=not self.options.merge_descs,
+            )
         except Exception as e:
             raise _wrap(e, "make_prepped_xfer") from e
         xfer = XferHandle(h)

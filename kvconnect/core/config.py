@@ -84,6 +84,9 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
     kv_digest: bool = False
     nixl_threads: int = 0  # UCX thread pool per agent: each pull split over this many threads (0 = none)
     telemetry: bool = False  # NIXL per-transfer telemetry (issued descriptor counts)
+    # NIXL joins descriptors adjacent on both sides (runs of consecutive blocks) into one; off issues every
+    # block's units apart: only to measure what merging saves (benchmarks), never faster
+    merge_descs: bool = True
     failure_policy: FailurePolicy = FailurePolicy.FAIL  # decode: a request whose pull failed fails, or is recomputed
     poll_interval_s: float = 0.001  # I/O loop tick: notifications, deadlines, lease expiry
     transport: TransportChoice = TransportChoice.AUTO  # auto: the CUDA IPC gather for same-host GPU peers, else NIXL

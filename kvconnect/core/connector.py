@@ -102,7 +102,9 @@ class KVConnector:
         with threads_started_on(io_cpus(config.loop_cpu_set)):
             self._agent = NixlAgent(
                 f"{self.engine_id}-{self.incarnation_id[:12]}",
-                AgentOptions(num_threads=config.nixl_threads, telemetry=config.telemetry),
+                AgentOptions(
+                    num_threads=config.nixl_threads, telemetry=config.telemetry, merge_descs=config.merge_descs
+                ),
             )
             self._transports = Transports.start(cache, self._agent, config.transport, transports)  # (this thread)
             self._lender.serve(self._agent)

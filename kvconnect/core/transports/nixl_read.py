@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -174,6 +175,8 @@ class NixlMove(Move):
         link = self._link
         plan = link._pair.plan_validated(self.local_ids, self.remote_ids, self._num_tokens)
         self._xfer = link._agent.read(link._local, plan.local_indices, link._remote, plan.remote_indices, notif)
+        if not link._agent.options.merge_descs:  # (then NIXL issues every unit apart)
+            plan = dataclasses.replace(plan, num_descs_merged=plan.num_descs)
         try:
             state = link._agent.post(self._xfer)
         except BaseException:
