@@ -5,10 +5,12 @@ every token's K and V in the decode's layout. The real-vLLM check of the same la
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
-from kvconnect.core.errors import LayoutMismatchError
+from kvconnect.core.errors import InvalidRequestError, LayoutMismatchError
 from kvconnect.core.plan.hetero import Path, plan_source, plan_sources
 from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 
@@ -60,9 +62,13 @@ def lay_out(s: CacheSpec, ref: np.ndarray, ids: list[int], heads: tuple[int, int
     return cache
 
 
-def pulled(page: str, blocks: tuple[int, int], num_tokens: int, tp: tuple[int, int] = (1, 1)) -> tuple[int, bool]:
-    """Pull `num_tokens` from a prefill of block size blocks[0] into a decode of blocks[1]: (descriptors, whether
-    the decode's layout then holds every token of its heads as the prefill's held them)."""
+def pulled(
+    page: str, blocks: tuple[int, int], num_tokens: int, tp: tuple[int, int] = (1, 1), hit: int = 0
+) -> tuple[int, bool]:
+    """Pull `num_tokens` from a prefill of block size blocks[0] into a decode of blocks[1] whose prefix cache holds
+    the first `hit` tokens (its blocks get the rest, read from the prefill's block holding token `hit`, from that
+    token on): (descriptors, whether the decode's layout then holds every token past the hit of its heads as the
+    prefill's held them, and nothing anywhere else)."""
     rng = np.random.default_rng(num_tokens)
     ref = rng.integers(1, 60000, (LAYERS, 2, num_tokens, HEADS, HEAD_DIM)).astype(DTYPES[page][1])
     local = spec(page, blocks[1], 32, tp[1])
@@ -71,10 +77,11 @@ def pulled(page: str, blocks: tuple[int, int], num_tokens: int, tp: tuple[int, i
     plan = plan_source(local, remote, src)
     assert plan.path is Path.DIRECT
     r_ids = list(range(47, 47 - remote.blocks_for_tokens(num_tokens), -1))  # (scattered, descending)
-    l_ids = [3 + 2 * i for i in range(local.blocks_for_tokens(num_tokens))]
-    mem_r, mem_l = lay_out(remote, ref, r_ids, src.heads), lay_out(local, ref * 0, l_ids, local.head_range())
+    l_ids = [3 + 2 * i for i in range(local.blocks_for_tokens(num_tokens - hit))]
+    mem_r, mem_l = lay_out(remote, ref, r_ids, src.heads), lay_out(local, ref[:, :, hit:] * 0, l_ids, (0, 0))
     pair = plan.pair
-    pull = pair.plan_validated(*pair.order_checked(l_ids, r_ids), num_tokens)
+    read = r_ids[hit // remote.block_size :]
+    pull = pair.plan_validated(*pair.order_checked(l_ids, read), num_tokens - hit, hit % remote.block_size)
     bases = [layer << REGION_BITS for layer in range(LAYERS)]
     l_descs, r_descs = pair.local_descs(bases, 0), pair.remote_descs(bases, 0)
     isz = np.dtype(DTYPES[page][1]).itemsize
@@ -82,7 +89,7 @@ def pulled(page: str, blocks: tuple[int, int], num_tokens: int, tp: tuple[int, i
         (la, n, _), (ra, _, _) = l_descs[li], r_descs[ri]
         lo, ro = (int(la) & ((1 << REGION_BITS) - 1)) // isz, (int(ra) & ((1 << REGION_BITS) - 1)) // isz
         mem_l[int(la) >> REGION_BITS][lo : lo + int(n) // isz] = mem_r[int(ra) >> REGION_BITS][ro : ro + int(n) // isz]
-    want = lay_out(local, ref, l_ids, src.heads)
+    want = lay_out(local, ref[:, :, hit:], l_ids, src.heads)
     return pull.num_descs, all(np.array_equal(a, b) for a, b in zip(mem_l, want, strict=True))
 
 
@@ -94,6 +101,29 @@ def test_a_pull_between_cpu_pages_of_different_block_sizes_rebuilds_every_token(
     assert equal
     pieces = HEAD_DIM if page == "vllm:cpu-vec" else HEAD_DIM // 16  # per (layer, head, K/V, 32-token segment)
     assert descs == LAYERS * HEADS * 2 * pieces * -(-num_tokens // 32)
+
+
+@pytest.mark.parametrize("page", sorted(DTYPES))
+@pytest.mark.parametrize(("blocks", "hit"), [((128, 32), 32), ((128, 32), 288), ((96, 32), 64), ((128, 64), 192)])
+@pytest.mark.parametrize("num_tokens", [300, 385])
+def test_a_prefix_hit_that_ends_inside_a_prefill_block_reads_that_block_from_the_token_after_it(
+    page, blocks, hit, num_tokens
+) -> None:
+    descs, equal = pulled(page, blocks, num_tokens, hit=hit)
+    assert equal
+    pieces = HEAD_DIM if page == "vllm:cpu-vec" else HEAD_DIM // 16
+    seg = math.gcd(*blocks)  # (tokens per segment)
+    assert descs == LAYERS * HEADS * 2 * pieces * -(-(num_tokens - hit) // seg)
+
+
+def test_an_offset_that_is_no_segment_start_is_refused_by_name() -> None:
+    local, remote = spec("vllm:cpu-vec", 32, 8), spec("vllm:cpu-vec", 128, 8)
+    pair = plan_source(local, remote, plan_sources(local, 1).reads[0]).pair
+    for offset, why in ((16, "token 16 of a remote block is no segment start"), (128, "token 128")):
+        with pytest.raises(InvalidRequestError, match=why):
+            pair.plan_validated(*pair.order_checked([1, 2], [5, 6]), 40, offset)
+    with pytest.raises(InvalidRequestError, match="cannot hold 100 tokens"):  # (96 of block 5's 128, then 0)
+        pair.plan_validated(*pair.order_checked([1, 2, 3, 4], [5]), 100, 32)
 
 
 def test_with_tensor_parallelism_as_well_each_rank_gets_its_heads() -> None:

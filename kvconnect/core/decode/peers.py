@@ -223,12 +223,14 @@ class PeerSet:
             setup_s * 1e3,
         )
 
-    def _skip(self, pull: Pull, remote_block: int) -> None:
+    def _skip(self, pull: Pull, remote_block: int, pieces: bool) -> None:
         """Read only the lease's tokens past the decode's own prefix-cache hit (`Pull.skip_tokens`): the prefill's
-        blocks from the one that starts there. A hit that ends inside a prefill block is refused: its first tokens
-        would land in blocks the hit holds (shared with other requests)."""
+        blocks from the one that holds the first token past it. A hit that ends inside a prefill block (the
+        decode's blocks smaller) reads that block from the token after the hit (`Pull.remote_offset`), which only
+        a path moving pieces of blocks can (`pieces`); anything else would write the hit's blocks, shared with
+        other requests, and is refused."""
         skip, field = pull.skip_tokens, "kv_transfer_params.remote_block_ids"
-        if skip % remote_block:
+        if skip % remote_block and not pieces:
             raise InvalidRequestError(
                 field,
                 f"this decode's prefix cache holds the first {skip} tokens, which end inside a prefill block of "
@@ -242,7 +244,7 @@ class PeerSet:
         if first >= pull.remote_block_ids.size:
             raise InvalidRequestError(field, f"{pull.remote_block_ids.size} blocks hold no tokens past {skip}")
         pull.remote_block_ids = pull.remote_block_ids[first:]
-        pull.skip_tokens = 0
+        pull.remote_offset, pull.skip_tokens = skip % remote_block, 0
 
     def prepare(self, peer: Peer, pull: Pull) -> Move | None:
         """`pull`'s move through the peer's link (None: no room on the link now, ask again later), with the
@@ -251,7 +253,7 @@ class PeerSet:
         plan, link, info = peer.plan, peer.link, peer.info
         assert plan is not None and link is not None and info is not None
         if pull.skip_tokens:
-            self._skip(pull, info.spec.block_size)
+            self._skip(pull, info.spec.block_size, plan.path is Path.DIRECT and not plan.pair.block_for_block)
         if len(pull.group_sizes) > 1 and (plan.path is not Path.BLOCK or not plan.pair.block_for_block):
             raise InvalidRequestError(
                 "kv_transfer_params.remote_group_sizes",
@@ -265,5 +267,6 @@ class PeerSet:
                 len(pull.remote_block_ids),
                 info.spec.block_size,
                 pull.num_tokens,
+                pull.remote_offset,
             )
-        return link.prepare(pull.local_block_ids, pull.remote_block_ids, pull.num_tokens)
+        return link.prepare(pull.local_block_ids, pull.remote_block_ids, pull.num_tokens, pull.remote_offset)

@@ -105,6 +105,8 @@ class Pull:
     # the lease's first tokens the decode's own prefix cache holds: `remote_block_ids` are then all the lease's,
     # until the peer's block size says which of them to read (peers.py, `prepare`)
     skip_tokens: int = 0
+    # set from skip_tokens when the decode's hit ends inside a prefill block: that block's tokens held here
+    remote_offset: int = 0
 
     def notif(self, incarnation_id: str) -> bytes:
         """The notification this pull's READ carries to the prefill (it completes the lease for this reader)."""

@@ -60,13 +60,15 @@ def strided_descriptor_array(
     return out
 
 
-def token_span(n_local: int, local_block: int, n_remote: int, remote_block: int, num_tokens: int | None) -> int:
-    """How many tokens a request moves when the two sides' block sizes differ; InvalidRequestError when the
-    two block lists cannot hold the same tokens."""
-    cap_local, cap_remote = n_local * local_block, n_remote * remote_block
+def token_span(
+    n_local: int, local_block: int, n_remote: int, remote_block: int, num_tokens: int | None, remote_offset: int = 0
+) -> int:
+    """How many tokens a request moves when the two sides' block sizes differ (the remote blocks' first
+    `remote_offset` tokens excluded); InvalidRequestError when the two block lists cannot hold the same tokens."""
+    cap_local, cap_remote = n_local * local_block, n_remote * remote_block - remote_offset
     if num_tokens is None:
         n = min(cap_local, cap_remote)
-        if -(-n // local_block) != n_local or -(-n // remote_block) != n_remote:
+        if -(-n // local_block) != n_local or -(-(n + remote_offset) // remote_block) != n_remote:
             raise InvalidRequestError(
                 "remote_block_ids",
                 f"{n_remote} remote blocks of {remote_block} tokens and {n_local} local blocks "
@@ -167,11 +169,16 @@ class PairPlan:
         empty = np.empty(0, dtype=np.int32)
         return PullPlan(empty, empty, num_blocks, units, units, units * self.unit_bytes)
 
-    def plan_validated(self, local: np.ndarray, remote: np.ndarray, num_tokens: int | None = None) -> PullPlan:
+    def plan_validated(
+        self, local: np.ndarray, remote: np.ndarray, num_tokens: int | None = None, remote_offset: int = 0
+    ) -> PullPlan:
         """Index arrays for pulling remote[i] into local[i] (block for block), or the tokens the two block lists
-        hold (CHUNK plans), for ids that came out of `order_checked`; raises InvalidRequestError."""
+        hold (CHUNK plans; the local blocks' first token is the remote blocks' `remote_offset`-th), for ids that
+        came out of `order_checked`; raises InvalidRequestError."""
         if not self.block_for_block:
-            return self._plan_segments(local, remote, num_tokens)
+            return self._plan_segments(local, remote, num_tokens, remote_offset)
+        if remote_offset:
+            raise InvalidRequestError("remote_block_ids", f"whole blocks move here, not from token {remote_offset}")
         num_units = self.local_units.num_units
         units = np.arange(num_units, dtype=np.int64)[:, None]
         local_idx = (units * self.local_spec.num_blocks + local[None, :]).reshape(-1)
@@ -185,12 +192,16 @@ class PairPlan:
             total_bytes=int(local_idx.size) * self.unit_bytes,
         )
 
-    def _plan_segments(self, local: np.ndarray, remote: np.ndarray, num_tokens: int | None) -> PullPlan:
+    def _plan_segments(self, local: np.ndarray, remote: np.ndarray, num_tokens: int | None, offset: int) -> PullPlan:
         ls, rs, g, c = self.local_spec, self.remote_spec, self.seg_tokens, self.chunks
-        n = token_span(local.size, ls.block_size, remote.size, rs.block_size, num_tokens)
+        if offset % g or not 0 <= offset < rs.block_size:
+            raise InvalidRequestError(
+                "remote_block_ids", f"token {offset} of a remote block is no segment start (segments of {g} tokens)"
+            )
+        n = token_span(local.size, ls.block_size, remote.size, rs.block_size, num_tokens, offset)
         t = np.arange(-(-n // g), dtype=np.int64) * g  # first token of each segment
         l_blk, l_sub = local[t // ls.block_size], (t % ls.block_size) // g
-        r_blk, r_sub = remote[t // rs.block_size], (t % rs.block_size) // g
+        r_blk, r_sub = remote[(t + offset) // rs.block_size], ((t + offset) % rs.block_size) // g
         order = np.lexsort((r_sub, r_blk))  # issue in remote address order: neighbours merge
         l_blk, l_sub, r_blk, r_sub = l_blk[order], l_sub[order], r_blk[order], r_sub[order]
         common = np.arange(self.local_units.num_units // (ls.block_size // g), dtype=np.int64)[:, None]

@@ -95,9 +95,12 @@ class Link(abc.ABC):
     notifies: bool = False
 
     @abc.abstractmethod
-    def prepare(self, local_ids: np.ndarray, remote_ids: np.ndarray, num_tokens: int | None) -> Move | None:
+    def prepare(
+        self, local_ids: np.ndarray, remote_ids: np.ndarray, num_tokens: int | None, remote_offset: int = 0
+    ) -> Move | None:
         """One pull's move: its ids checked against both caches and put in the order the transfer issues them,
-        what it needs reserved (None while there is no room: ask again later). Raises InvalidRequestError."""
+        what it needs reserved (None while there is no room: ask again later). `remote_offset`: the remote
+        blocks' first tokens to leave out (pieces of blocks only). Raises InvalidRequestError."""
 
     def close(self) -> None:  # noqa: B027 - most links hold nothing of their own
         """The peer is being dropped: free what the link holds for it (moves still in flight keep what they use

@@ -23,6 +23,7 @@ import numpy as np
 
 from kvconnect.core.agent import NixlAgent, XferState
 from kvconnect.core.board import boot_id
+from kvconnect.core.errors import InvalidRequestError
 from kvconnect.core.plan.descriptors import PairPlan, PullPlan
 from kvconnect.core.plan.hetero import Path, SourcePlan
 from kvconnect.core.transports.base import Link, Move, Transport, TransportKind
@@ -286,7 +287,11 @@ class IpcLink(Link):
     def __init__(self, gather: IpcGather, pair: PairPlan) -> None:
         self._gather, self._pair = gather, pair
 
-    def prepare(self, local_ids: np.ndarray, remote_ids: np.ndarray, num_tokens: int | None) -> IpcMove:
+    def prepare(
+        self, local_ids: np.ndarray, remote_ids: np.ndarray, num_tokens: int | None, remote_offset: int = 0
+    ) -> IpcMove:
+        if remote_offset:
+            raise InvalidRequestError("remote_block_ids", "the IPC gather copies whole blocks from their first token")
         local, remote = self._pair.bounds_checked(local_ids, remote_ids)  # one kernel: issue order is irrelevant
         return IpcMove(self._gather, self._pair, local, remote)
 

@@ -26,7 +26,7 @@ import torch
 
 from kvconnect.core.agent import MemKind, NixlAgent, PreppedList, XferHandle, XferState
 from kvconnect.core.cache import KVCache
-from kvconnect.core.errors import LayoutMismatchError
+from kvconnect.core.errors import InvalidRequestError, LayoutMismatchError
 from kvconnect.core.plan.descriptors import PairPlan, PullPlan, strided_descriptor_array
 from kvconnect.core.plan.hetero import SourcePlan
 from kvconnect.core.plan.layout import CacheSpec
@@ -125,10 +125,14 @@ class NixlLink(Link):
         self._in_flight = 0  # moves posted and not settled (a READ of theirs may still land)
         self._closed = False
 
-    def prepare(self, local_ids: np.ndarray, remote_ids: np.ndarray, num_tokens: int | None) -> NixlMove | None:
+    def prepare(
+        self, local_ids: np.ndarray, remote_ids: np.ndarray, num_tokens: int | None, remote_offset: int = 0
+    ) -> NixlMove | None:
         if self._pool is None:
             local, remote = self._pair.order_checked(local_ids, remote_ids)
-            return NixlMove(self, local, remote, num_tokens)
+            return NixlMove(self, local, remote, num_tokens, remote_offset=remote_offset)
+        if remote_offset:  # (the scatter places whole staged blocks' tokens from their first)
+            raise InvalidRequestError("remote_block_ids", "the staging path reads whole blocks from their first token")
         staged = self._pool.alloc(len(remote_ids))  # (InvalidRequestError: it can never fit)
         if staged is None:
             return None
@@ -164,8 +168,10 @@ class NixlMove(Move):
         num_tokens: int | None,
         staged: list[int] | None = None,
         targets: np.ndarray | None = None,
+        remote_offset: int = 0,
     ) -> None:
         self._link, self.local_ids, self.remote_ids, self._num_tokens = link, local_ids, remote_ids, num_tokens
+        self._offset = remote_offset
         # staging: the staging blocks read into, the cache's blocks
         self._staged, self._targets = staged, targets
         self._xfer: XferHandle | None = None
@@ -173,7 +179,7 @@ class NixlMove(Move):
 
     def post(self, notif: bytes) -> tuple[XferState, PullPlan]:
         link = self._link
-        plan = link._pair.plan_validated(self.local_ids, self.remote_ids, self._num_tokens)
+        plan = link._pair.plan_validated(self.local_ids, self.remote_ids, self._num_tokens, self._offset)
         self._xfer = link._agent.read(link._local, plan.local_indices, link._remote, plan.remote_indices, notif)
         if not link._agent.options.merge_descs:  # (then NIXL issues every unit apart)
             plan = dataclasses.replace(plan, num_descs_merged=plan.num_descs)
