@@ -56,18 +56,49 @@ def main(argv: list[str] | None = None) -> int:
         cases = by_case[key]
         ms = [read_ms(c) for c in cases]
         ceil = [ceiling_ms(c) for c in cases]
-        issued = sorted({c.num_descs_issued or c.num_descs_merged for c in cases})
+        counts = [c.num_descs_issued or c.num_descs_merged for c in cases]
+        issued = sorted(set(counts))
         ratio = [m / c for m, c in zip(ms, ceil, strict=True)]
-        points.append((key, int(np.median(issued)), ms))
+        points.append((key, int(np.median(counts)), ms))
         print(
             f"| {key[0]} | {key[1]} | {'on' if key[2] else 'off'} | {'/'.join(map(str, issued))} | "
             f"{np.median(ms):.1f} ({min(ms):.1f}-{max(ms):.1f}) | {np.median(ceil):.1f} ({min(ceil):.1f}-"
             f"{max(ceil):.1f}) | {np.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f}) |"
         )
+    print(
+        "\nMerging off against on, the same ids in the same run (the only difference: descriptors), per run:\n"
+        "| layout pair | pattern | descriptors on -> off | read ms on -> off | difference ms | us per extra one |"
+        "\n|---|---|---|---|---|---|"
+    )
+    paired, same = [], []  # (extra descriptors, extra ms) where they differ by 1,000 or more; ms where equal
+    for key in order:
+        if not key[2] or (key[0], key[1], False) not in by_case:
+            continue
+        for on, off in zip(by_case[key], by_case[(key[0], key[1], False)], strict=True):
+            n_on, n_off = (c.num_descs_issued or c.num_descs_merged for c in (on, off))
+            t_on, t_off = read_ms(on), read_ms(off)
+            per = "-"
+            if n_off - n_on >= 1000:
+                paired.append((n_off - n_on, t_off - t_on))
+                per = f"{(t_off - t_on) * 1e3 / (n_off - n_on):.2f}"
+            elif n_off == n_on:
+                same.append(t_off - t_on)
+            row = f"| {key[0]} | {key[1]} | {n_on} -> {n_off} | {t_on:.1f} -> {t_off:.1f} | {t_off - t_on:+.1f} |"
+            print(f"{row} {per} |")
+    dn, dt = np.array([p[0] for p in paired], dtype=float), np.array([p[1] for p in paired])
+    print(
+        f"paired, through the origin, over the {len(paired)} pairs 1,000+ descriptors apart: "
+        f"{float(dt @ dn / (dn @ dn)) * 1e3:.2f} us per descriptor (each pair: {min(dt * 1e3 / dn):.2f} to "
+        f"{max(dt * 1e3 / dn):.2f}); the same descriptors on and off ({len(same)} pairs, the noise): "
+        f"{min(same):+.1f} to {max(same):+.1f} ms"
+    )
     xs = np.array([p[1] for p in points], dtype=float)
     ys = np.array([np.median(p[2]) for p in points])
     slope, intercept = np.polyfit(xs, ys, 1)
-    print(f"least squares over the cases: read ms = {intercept:.1f} + {slope * 1e3:.2f} us x descriptors")
+    print(
+        f"least squares over every case (layouts and id patterns pooled, not a controlled comparison): read ms = "
+        f"{intercept:.1f} + {slope * 1e3:.2f} us x descriptors"
+    )
     if args.plot:
         import matplotlib
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvconnect.core.errors import InvalidRequestError, LayoutMismatchError
+from kvconnect.core.plan.descriptors import token_span
 from kvconnect.core.plan.hetero import Path, plan_source, plan_sources
 from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 
@@ -124,6 +125,8 @@ def test_an_offset_that_is_no_segment_start_is_refused_by_name() -> None:
             pair.plan_validated(*pair.order_checked([1, 2], [5, 6]), 40, offset)
     with pytest.raises(InvalidRequestError, match="cannot hold 100 tokens"):  # (96 of block 5's 128, then 0)
         pair.plan_validated(*pair.order_checked([1, 2, 3, 4], [5]), 100, 32)
+    with pytest.raises(InvalidRequestError, match="do not hold the same tokens"):  # (no local block: no tokens)
+        token_span(0, 32, 1, 128, None, 32)
 
 
 def test_with_tensor_parallelism_as_well_each_rank_gets_its_heads() -> None:

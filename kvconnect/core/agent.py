@@ -221,14 +221,10 @@ class NixlAgent:
     ) -> XferHandle:
         """Create a READ of remote descriptors into local ones; post it with `post`."""
         try:
+            # (NIXL marks skip_desc_merge deprecated: passed only when merging is off, for a measurement)
+            skip = {} if self.options.merge_descs else {"skip_desc_merge": True}
             h = self._agent.make_prepped_xfer(
-                "READ",
-                local.handle,
-                local_indices,
-                remote.handle,
-                remote_indices,
-                notif,
-                skip_desc_merge=not self.options.merge_descs,
+                "READ", local.handle, local_indices, remote.handle, remote_indices, notif, **skip
             )
         except Exception as e:
             raise _wrap(e, "make_prepped_xfer") from e

@@ -68,7 +68,7 @@ def token_span(
     cap_local, cap_remote = n_local * local_block, n_remote * remote_block - remote_offset
     if num_tokens is None:
         n = min(cap_local, cap_remote)
-        if -(-n // local_block) != n_local or -(-(n + remote_offset) // remote_block) != n_remote:
+        if n < 1 or -(-n // local_block) != n_local or -(-(n + remote_offset) // remote_block) != n_remote:
             raise InvalidRequestError(
                 "remote_block_ids",
                 f"{n_remote} remote blocks of {remote_block} tokens and {n_local} local blocks "
