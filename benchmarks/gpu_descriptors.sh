@@ -24,5 +24,5 @@ for seed in ${SEEDS:-1 2 3}; do
   python3 -m kvconnect.cli --log-level WARNING bench "${args[@]}" > "$d/descriptors.txt" 2> "$d/stderr.txt"
   grep -v '^\[' "$d/descriptors.txt" > "$d/table.txt"
 done
-PYTHONPATH=$PWD python3 benchmarks/descriptors_vs_time.py "$out"/run*/descriptors.json --plot "$out/time-vs-descriptors.png" \
+PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} python3 benchmarks/descriptors_vs_time.py "$out"/run*/descriptors.json --plot "$out/time-vs-descriptors.png" \
   | tee "$out/time-vs-descriptors.txt"
