@@ -1,8 +1,8 @@
 """Transfer time against descriptor count, from several `kvconnect bench --merge on,off --telemetry` runs.
 
 Every case of a run moves the same bytes (one request, whole blocks); what differs is how many descriptors
-NIXL issued for them: the layout (kv_first: one per layer, K or V, and block, the shape NixlConnector
-registers; blocks_first: one per layer and block, kvconnect's default; cross_layer: one per block), the block
+NIXL issued for them: the layout (kv_first: one per layer, K or V, and block; blocks_first: one per layer and
+block, what NixlConnector posts for vLLM 0.26's FlashAttention layout; cross_layer: one per block), the block
 ids (contiguous, runs of 16 or 4, scattered: a recycled cache) and NIXL's merging of neighbours (on, off).
 Prints one row per case with the median and the min-max over runs of the read's time (post + transfer), the
 descriptors NIXL's telemetry counted, the same-run copy ceiling and the ratio to it; writes a plot of time
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         f"paired, through the origin, over the {len(paired)} pairs 1,000+ descriptors apart: "
         f"{float(dt @ dn / (dn @ dn)) * 1e3:.2f} us per descriptor (each pair: {min(dt * 1e3 / dn):.2f} to "
         f"{max(dt * 1e3 / dn):.2f}); the same descriptors on and off ({len(same)} pairs, the noise): "
-        f"{min(same):+.1f} to {max(same):+.1f} ms"
+        + (f"{min(same):+.1f} to {max(same):+.1f} ms" if same else "none")
     )
     xs = np.array([p[1] for p in points], dtype=float)
     ys = np.array([np.median(p[2]) for p in points])
