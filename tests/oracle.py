@@ -27,8 +27,9 @@ def plan(
     local_ids: Sequence[int] | np.ndarray,
     remote_ids: Sequence[int] | np.ndarray,
     num_tokens: int | None = None,
+    remote_offset: int = 0,
 ) -> PullPlan:
-    return pair.plan_validated(*validated(pair, local_ids, remote_ids), num_tokens=num_tokens)
+    return pair.plan_validated(*validated(pair, local_ids, remote_ids), num_tokens, remote_offset)
 
 
 def merge_runs(
@@ -58,11 +59,17 @@ def merge_runs(
 
 
 def execute(
-    pair: PairPlan, dst: Any, src: Any, local_ids: Sequence[int], remote_ids: Sequence[int], num_tokens=None
+    pair: PairPlan,
+    dst: Any,
+    src: Any,
+    local_ids: Sequence[int],
+    remote_ids: Sequence[int],
+    num_tokens: int | None = None,
+    remote_offset: int = 0,
 ) -> PullPlan:
     """Carry out `pair`'s plan for these blocks with memmove between two local caches (`KVCache`): what a READ
     of the same descriptors would do."""
-    p = plan(pair, local_ids, remote_ids, num_tokens)
+    p = plan(pair, local_ids, remote_ids, num_tokens, remote_offset)
     ldesc, rdesc = pair.local_descs(dst.base_addrs(), 0), pair.remote_descs(src.base_addrs(), 0)
     for (daddr, n, _), (saddr, m, _) in zip(ldesc[p.local_indices], rdesc[p.remote_indices], strict=True):
         assert n == m

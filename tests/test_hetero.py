@@ -144,6 +144,49 @@ def test_any_pair_assembles_the_reference(tps, heads, kinds_p, kinds_d, blocks, 
     run_pair(tp_p, tp_d, heads, kinds_p, kinds_d, blocks[0], blocks[1], lay_p, lay_d, n, seed=n, path=path, dtype=dtype)
 
 
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.sampled_from(TP_PAIRS + [(1, 1)]),
+    st.sampled_from([(64, 16), (16, 4), (12, 8), (6, 4), (32, 8)]),
+    st.sampled_from(["NHD", "HND"]),
+    st.sampled_from(["NHD", "HND"]),
+    st.integers(2, 150),
+    st.integers(1, 40),
+)
+def test_a_direct_pull_past_a_decode_prefix_hit_writes_only_the_rest(tps, blocks, lay_p, lay_d, n, hit_blocks) -> None:
+    """The decode's prefix cache holds its first `hit` tokens (whole decode blocks, ending inside a prefill block
+    where the sizes say so): the pull reads the prefill's blocks from the one holding token `hit`, from that token
+    on (`remote_offset`), into the decode's blocks for the rest. Every decode rank then holds tokens [hit, n) of
+    its heads; the hit's blocks and every spare block stay untouched."""
+    (tp_p, tp_d), (bs_p, bs_d) = tps, blocks
+    hit = min(hit_blocks, (n - 1) // bs_d) * bs_d
+    gen = torch.Generator().manual_seed(n)
+    ref = torch.randn(n, LAYERS, 2, 4, HEAD_DIM, generator=gen).to(torch.float16)
+    nb_p, nb_d = -(-n // bs_p), -(-(n - hit) // bs_d)
+    rng = np.random.default_rng(n)
+    p_ids = rng.permutation(nb_p + 3)[:nb_p].tolist()
+    d_ids = rng.permutation(nb_d + 3 + hit // bs_d)[:nb_d].tolist()  # (the rest: the hit's blocks and spares)
+    prefill = []
+    for r in range(tp_p):
+        cache = KVCache.allocate(rank_spec(LayoutKind.BLOCKS_FIRST, tp_p, r, 4, bs_p, lay_p, nb_p + 3))
+        fill_from_reference(cache, ref, p_ids, n)
+        prefill.append(cache)
+    for d in range(tp_d):
+        spec = rank_spec(LayoutKind.CROSS_LAYER, tp_d, d, 4, bs_d, lay_d, nb_d + 3 + hit // bs_d)
+        dst = KVCache.allocate(spec)
+        for src in plan_sources(spec, tp_p).reads:
+            sp = plan_source(spec, prefill[src.rank].spec, src, "direct")
+            assert sp.path is Path.DIRECT
+            execute(sp.pair, dst, prefill[src.rank], d_ids, p_ids[hit // bs_p :], n - hit, hit % bs_p)
+        lo, hi = spec.head_range()
+        for layer in range(LAYERS):
+            for kv, view in enumerate(dst.kv(layer)):
+                got = view[d_ids].reshape(nb_d * bs_d, hi - lo, HEAD_DIM)[: n - hit]
+                assert torch.equal(got, ref[hit:, layer, kv, lo:hi]), (d, layer, kv)
+                others = [b for b in range(spec.num_blocks) if b not in d_ids]
+                assert not view[others].view(torch.uint8).any(), "a block outside the pull was written"
+
+
 def test_path_choice_follows_the_cost_model() -> None:
     """Llama-3-8B shapes. On DRAM the scatter is the slow part, so contiguous pieces go direct; on a GPU the
     per-descriptor cost dominates, so 16 KiB HND head slices stage (measured: ~16x faster, results/gpu)."""
