@@ -96,7 +96,7 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
     # processes against a torch copy, names UCX's transport, logs it and exports it in /metrics
     verdict: bool = False
     refuse_tcp: bool = False  # fail start-up when UCX carried that READ over TCP (implies verdict)
-    verdict_bytes: int = 0  # scratch buffer; 0 = 64 MiB; else a multiple of 1 MiB
+    verdict_bytes: int = 0  # scratch buffer; 0 = `64 MiB`; else a multiple of `1 MiB`
     verdict_peer_device: str = ""  # device of the buffer read ("cpu", "cuda:1"); "" = the worker's device
     verdict_timeout_s: float = 60.0  # deadline of the whole calibration, child processes included
     secret_file: str = ""  # read the secret from this file (e.g. a mounted Kubernetes Secret); overrides `secret`
