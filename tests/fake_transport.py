@@ -109,9 +109,14 @@ class FakeLink(Link):
         self._wire, self._local, self._remote, self._pair = wire, local, remote, pair
 
     def prepare(
-        self, local_ids: np.ndarray, remote_ids: np.ndarray, num_tokens: int | None, remote_offset: int = 0
+        self,
+        local_ids: np.ndarray,
+        remote_ids: np.ndarray,
+        num_tokens: int | None,
+        remote_offset: int = 0,
+        state_ids: np.ndarray | None = None,
     ) -> Move | None:
-        assert remote_offset == 0, "the fake transport copies whole blocks"
+        assert remote_offset == 0 and state_ids is None, "the fake transport copies whole blocks"
         ordered = self._pair.order_checked(local_ids, remote_ids)
         move = FakeMove(self._wire, self._local, self._remote, self._pair, ordered)
         move._num_tokens = num_tokens

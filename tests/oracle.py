@@ -28,8 +28,10 @@ def plan(
     remote_ids: Sequence[int] | np.ndarray,
     num_tokens: int | None = None,
     remote_offset: int = 0,
+    state_ids: Sequence[int] | None = None,
 ) -> PullPlan:
-    return pair.plan_validated(*validated(pair, local_ids, remote_ids), num_tokens, remote_offset)
+    state = None if state_ids is None else np.asarray(state_ids, dtype=np.int64)
+    return pair.plan_validated(*validated(pair, local_ids, remote_ids), num_tokens, remote_offset, state)
 
 
 def merge_runs(
@@ -66,10 +68,11 @@ def execute(
     remote_ids: Sequence[int],
     num_tokens: int | None = None,
     remote_offset: int = 0,
+    state_ids: Sequence[int] | None = None,
 ) -> PullPlan:
     """Carry out `pair`'s plan for these blocks with memmove between two local caches (`KVCache`): what a READ
     of the same descriptors would do."""
-    p = plan(pair, local_ids, remote_ids, num_tokens, remote_offset)
+    p = plan(pair, local_ids, remote_ids, num_tokens, remote_offset, state_ids)
     ldesc, rdesc = pair.local_descs(dst.base_addrs(), 0), pair.remote_descs(src.base_addrs(), 0)
     for (daddr, n, _), (saddr, m, _) in zip(ldesc[p.local_indices], rdesc[p.remote_indices], strict=True):
         assert n == m

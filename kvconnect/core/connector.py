@@ -216,6 +216,7 @@ class KVConnector:
         requested_s: float | None = None,
         tail: GroupedBlocks | None = None,
         skip_tokens: int = 0,
+        state_ids: Sequence[int] | np.ndarray | None = None,
     ) -> PullHandle:
         """Start pulling `params.remote_block_ids` into `local_block_ids`; never blocks on the peer.
         InvalidRequestError (naming the field) when the params or ids are invalid, or cannot be trusted (signed
@@ -226,10 +227,11 @@ class KVConnector:
         now): the pull's stats count from there. `tail`: read only these blocks, a tail of each group of the params'
         blocks (the caller's own prefix-cache hit holds the rest), into `local_block_ids`; default: all of them.
         `skip_tokens` (one KV cache group, block sizes that may differ): the caller's prefix-cache hit holds the
-        lease's first `skip_tokens` tokens (whole local blocks); read the rest into `local_block_ids`."""
+        lease's first `skip_tokens` tokens (whole local blocks); read the rest into `local_block_ids`. `state_ids`
+        (a Mamba2 hybrid): which of `local_block_ids` hold state, for a prefill of another TP size."""
         try:
             handle, start = self._decode.prepare(
-                params, local_block_ids, request_id, prompt_digest, requested_s, tail, skip_tokens
+                params, local_block_ids, request_id, prompt_digest, requested_s, tail, skip_tokens, state_ids
             )
         except KVConnectError as e:  # refused before anything started: counted and reported like any failed pull
             self._counters.failed(e)

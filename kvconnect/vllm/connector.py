@@ -35,7 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvconnect.core.config import env_choice
 from kvconnect.core.errors import LayoutError
 from kvconnect.vllm.compat import check_version, detect
-from kvconnect.vllm.groups import group_moves, state_layers
+from kvconnect.vllm.groups import group_moves, state_layers, state_spec
 from kvconnect.vllm.layout import cross_layer_views
 from kvconnect.vllm.metadata import StepOrders
 from kvconnect.vllm.scheduler import KVConnectScheduler
@@ -129,6 +129,7 @@ class KVConnectConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]  # (b
                 rank,
                 model.get_total_num_kv_heads(),  # (an MLA model's latent counts as one: layout.describe)
                 failed_requests=API.transfer_results,
+                state_groups=tuple(i for i, m in enumerate(moves) if m.state),
             )
             self._model = model
             self._latent = bool(getattr(model, "use_mla", False))  # MLA: latent caches, one vector per token
@@ -147,7 +148,14 @@ class KVConnectConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]  # (b
         num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else first.shape[0]
         try:
             self._worker_part().register_kv_caches(
-                kv_caches, num_blocks, self._settings.block_size, self._settings.tp_size, page, latent, states
+                kv_caches,
+                num_blocks,
+                self._settings.block_size,
+                self._settings.tp_size,
+                page,
+                latent,
+                states,
+                state_spec(self._kv_cache_config, self._model.hf_config, self._settings.tp_size) if states else None,
             )
         except LayoutError as e:
             raise family_refusal(e, self._model, latent) from e

@@ -29,7 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvconnect.core.errors import ConfigError
+from kvconnect.core.errors import ConfigError, LayoutError
+from kvconnect.core.plan.state import StateSpec
 
 NULL_BLOCK_ID = 0  # vLLM's block pool keeps block 0 as its null block: a placeholder, never a request's KV
 FULL = ("FullAttentionSpec",)
@@ -110,3 +111,55 @@ def state_layers(kv_cache_config: Any) -> tuple[frozenset[str], str]:
         dtypes = "/".join(str(d).removeprefix("torch.") for d in spec.dtypes)
         kinds.add(f"{kind}:{shapes}:{dtypes}")
     return frozenset(names), (f"+state({';'.join(sorted(kinds))})" if kinds else "")
+
+
+GROUP_KEYS = ("n_groups", "mamba_n_groups", "ngroups")  # the model's B/C groups, by the configs' spellings
+
+
+def state_spec(kv_cache_config: Any, hf_config: Any, tp_size: int) -> StateSpec | None:
+    """The model's Mamba2 state over all ranks (`StateSpec`), from this rank's state shapes and the model's group
+    count, so that ranks of other TP sizes can take their share; None when the state groups are not all Mamba2
+    of one shape or the config names no group count (their pages then move whole, between equal TP sizes)."""
+    specs = [
+        g.kv_cache_spec
+        for g in getattr(kv_cache_config, "kv_cache_groups", None) or ()
+        if _kinds(g.kv_cache_spec) & set(STATE)
+    ]
+    groups = next((getattr(hf_config, k) for k in GROUP_KEYS if isinstance(getattr(hf_config, k, None), int)), 0)
+    if not specs or groups < 1:
+        return None
+    first = specs[0]
+    if any(getattr(getattr(s, "mamba_type", None), "name", "") != "MAMBA2" for s in specs) or any(
+        (tuple(s.shapes), tuple(s.dtypes)) != (tuple(first.shapes), tuple(first.dtypes)) for s in specs
+    ):
+        return None
+    if len(first.shapes) != 2 or len(first.shapes[0]) != 2 or len(first.shapes[1]) != 3:
+        return None
+    conv, (heads, head_dim, size) = (int(n) for n in first.shapes[0]), (int(n) for n in first.shapes[1])
+    conv_a, conv_b = conv
+    conv_len = min(conv_a, conv_b)
+    layout = "SD" if conv_a == conv_len and conv_b != conv_len else "DS"
+    dim = conv_b if layout == "SD" else conv_a
+    channels = heads * head_dim * tp_size
+    per_rank = groups // tp_size if groups % tp_size == 0 else 1  # (one group: replicated on every rank)
+    if (groups % tp_size and groups != 1) or dim != channels // tp_size + 2 * per_rank * size:
+        return None  # (not vLLM's Mamba2 split as state.py knows it)
+    itemsizes = [_itemsize(d) for d in first.dtypes]
+    try:
+        return StateSpec(
+            "mamba2",
+            layout,
+            conv_len,
+            channels,
+            groups,
+            size,
+            heads * tp_size,
+            head_dim * size * itemsizes[1],
+            itemsizes[0],
+        )
+    except LayoutError:
+        return None
+
+
+def _itemsize(dtype: Any) -> int:
+    return int(getattr(dtype, "itemsize", 0)) or 1

@@ -27,6 +27,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvconnect.core.config import ConnectorConfig
@@ -36,6 +37,7 @@ from kvconnect.core.errors import InvalidRequestError, KVConnectError
 from kvconnect.core.faults import FaultHooks
 from kvconnect.core.plan.groups import GroupedBlocks, tail_pairs
 from kvconnect.core.plan.params import KVTransferParams
+from kvconnect.core.plan.state import StateSpec
 from kvconnect.core.wire.lease_client import release_after_failure
 from kvconnect.core.wire.protocol import LeaseState
 from kvconnect.vllm.metadata import PullOrder, StepOrders, WorkerHello
@@ -72,10 +74,12 @@ class KVConnectWorker:
         total_kv_heads: int,
         faults: FaultHooks | None = None,
         failed_requests: bool = False,
+        state_groups: tuple[int, ...] = (),
     ) -> None:
         """`failed_requests`: the running vLLM takes failed loads as failed requests (`get_transfer_results`);
         then a hybrid model's failed load is reported so, never as block ids (vLLM refuses those for models of
-        several KV cache groups)."""
+        several KV cache groups). `state_groups`: the KV cache groups that hold Mamba / linear-attention state."""
+        self._state_groups = state_groups
         self._config = config
         self._failed_requests = failed_requests
         self._faults = faults  # (tests only: the vLLM connector never passes any)
@@ -103,10 +107,12 @@ class KVConnectWorker:
         page: str,
         latent: bool = False,
         state_layers: frozenset[str] = frozenset(),
+        state: StateSpec | None = None,
     ) -> None:
         described = describe_with_state(
             kv_caches,
             state_layers,
+            state,
             num_blocks=num_blocks,
             block_size=block_size,
             tp_size=tp_size,
@@ -202,12 +208,16 @@ class KVConnectWorker:
                 )
             field = "kv_transfer_params.remote_block_ids"
             remote = GroupedBlocks.flat(params.remote_block_ids, params.remote_group_sizes, field)
+            state_ids = None
             if remote.num_groups == 1:
                 # the local prefix cache holds the first tokens: the connector reads the prefill's blocks from the
                 # one past them once the handshake said their size (which may differ from ours)
                 local, tail, skip = GroupedBlocks.of(order.local_block_ids), None, order.num_local_hit_tokens
             else:  # the local prefix cache filled each group's first blocks: read the tail of the prefill's
                 (local, tail), skip = tail_pairs(GroupedBlocks.of(order.local_block_ids), remote, field), 0
+                if self._state_groups:  # (a prefill of another TP size splits state blocks apart from the rest)
+                    groups = local.groups()
+                    state_ids = np.concatenate([groups[g] for g in self._state_groups if g < len(groups)])
             load.handle = self._require().pull(
                 params,  # (as the prefill signed them; the connector reads `tail` of their blocks)
                 local.ids,  # (an array: the connector checks it as one)
@@ -217,6 +227,7 @@ class KVConnectWorker:
                 requested_s=requested_s,
                 tail=tail,
                 skip_tokens=skip,
+                state_ids=state_ids,
             )  # (bind_connector_metadata drives right after)
         except KVConnectError as e:
             self._failed(load, e)

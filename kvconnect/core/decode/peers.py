@@ -254,7 +254,8 @@ class PeerSet:
         assert plan is not None and link is not None and info is not None
         if pull.skip_tokens:
             self._skip(pull, info.spec.block_size, plan.path is Path.DIRECT and not plan.pair.block_for_block)
-        if len(pull.group_sizes) > 1 and (plan.path is not Path.BLOCK or not plan.pair.block_for_block):
+        by_block = plan.path is Path.BLOCK or plan.pair.state_from  # (state pages split by TP: block for block)
+        if len(pull.group_sizes) > 1 and not (by_block and plan.pair.block_for_block):
             raise InvalidRequestError(
                 "kv_transfer_params.remote_group_sizes",
                 f"a hybrid model's blocks (KV cache groups {list(pull.group_sizes)}) move only between caches "
@@ -269,4 +270,6 @@ class PeerSet:
                 pull.num_tokens,
                 pull.remote_offset,
             )
-        return link.prepare(pull.local_block_ids, pull.remote_block_ids, pull.num_tokens, pull.remote_offset)
+        return link.prepare(
+            pull.local_block_ids, pull.remote_block_ids, pull.num_tokens, pull.remote_offset, pull.state_ids
+        )

@@ -107,6 +107,9 @@ class Pull:
     skip_tokens: int = 0
     # set from skip_tokens when the decode's hit ends inside a prefill block: that block's tokens held here
     remote_offset: int = 0
+    # a Mamba2 hybrid's local blocks that hold state (the plug-in knows its groups): a pair of different TP
+    # sizes moves them as state runs, the others as runs of heads (hetero.state_pair)
+    state_ids: np.ndarray | None = None
 
     def notif(self, incarnation_id: str) -> bytes:
         """The notification this pull's READ carries to the prefill (it completes the lease for this reader)."""

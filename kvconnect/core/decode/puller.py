@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 
 import msgspec
+import numpy as np
 
 from kvconnect.core.allowlist import parse_allowlist
 from kvconnect.core.cache import KVCache
@@ -113,11 +114,12 @@ class Puller:
         requested_s: float | None = None,
         tail: GroupedBlocks | None = None,
         skip_tokens: int = 0,
+        state_ids: BlockIds | None = None,
     ) -> tuple[PullHandle, Callable[[], None]]:
         """Validate a pull; returns its handle and the function that starts it at the next tick. Params this decode
         cannot trust (signed: `plan/signing.py`), or granted for another prompt, are refused here: before anything
         is dialled. `tail`: the blocks to read, a tail of each group of the params'; `skip_tokens`: the lease's first
-        tokens the caller holds already (`KVConnector.pull`)."""
+        tokens the caller holds already; `state_ids`: the local blocks that hold state (`KVConnector.pull`)."""
         spec, timeout_s = self._cache.spec, self._config.pull_timeout_s
         trusted(params, self._keys, prompt_digest)
         field = f"{FIELD}.remote_block_ids"
@@ -135,6 +137,10 @@ class Puller:
             params, local_block_ids, request_id, spec, timeout_s, prompt_digest, requested_s, leased
         )
         pull.skip_tokens = skip_tokens
+        if state_ids is not None:
+            pull.state_ids = np.asarray(state_ids, dtype=np.int64).reshape(-1)
+            if not np.isin(pull.state_ids, pull.local_block_ids).all():
+                raise InvalidRequestError("state_ids", "names blocks this pull does not load")
         self._allowed.check(pull.remote_host, "kv_transfer_params.remote_host")
         sources = self.peers.sources(pull.remote_tp)
         parts = pull.parts_for(sources.reads)

@@ -41,7 +41,7 @@ def descriptor_array(table: UnitTable, num_blocks: int, base_addrs: Sequence[int
     addrs = (starts[:, None] + blocks[None, :]).reshape(-1)
     out = np.empty((addrs.shape[0], 3), dtype=np.int64)
     out[:, 0] = addrs
-    out[:, 1] = table.unit_bytes
+    out[:, 1] = np.repeat(table.unit_sizes, num_blocks)
     out[:, 2] = device_id
     return out
 
@@ -53,7 +53,7 @@ def strided_descriptor_array(
     bases = np.asarray(base_addrs, dtype=np.int64)
     out = np.empty((table.num_units, 5), dtype=np.int64)
     out[:, 0] = bases[table.region] + table.offset_bytes
-    out[:, 1] = table.unit_bytes
+    out[:, 1] = table.unit_sizes
     out[:, 2] = device_id
     out[:, 3] = table.block_stride_bytes
     out[:, 4] = num_blocks
@@ -110,6 +110,9 @@ class PairPlan:
     # CHUNK plans only (see the module doc); 0 means block for block
     seg_tokens: int = 0
     chunks: int = 1
+    # block for block, a hybrid's pages split by TP (hetero.state_pair): units [0, state_from) move the
+    # attention blocks, the rest the state blocks (which local blocks hold state: `plan_validated`'s `state_ids`)
+    state_from: int = 0
 
     @classmethod
     def build(cls, local_spec: CacheSpec, remote_spec: CacheSpec) -> PairPlan:
@@ -170,26 +173,52 @@ class PairPlan:
         return PullPlan(empty, empty, num_blocks, units, units, units * self.unit_bytes)
 
     def plan_validated(
-        self, local: np.ndarray, remote: np.ndarray, num_tokens: int | None = None, remote_offset: int = 0
+        self,
+        local: np.ndarray,
+        remote: np.ndarray,
+        num_tokens: int | None = None,
+        remote_offset: int = 0,
+        state_ids: np.ndarray | None = None,
     ) -> PullPlan:
         """Index arrays for pulling remote[i] into local[i] (block for block), or the tokens the two block lists
         hold (CHUNK plans; the local blocks' first token is the remote blocks' `remote_offset`-th), for ids that
-        came out of `order_checked`; raises InvalidRequestError."""
+        came out of `order_checked`; `state_ids`: the local blocks that hold state (plans with `state_from`).
+        Raises InvalidRequestError."""
         if not self.block_for_block:
             return self._plan_segments(local, remote, num_tokens, remote_offset)
         if remote_offset:
             raise InvalidRequestError("remote_block_ids", f"whole blocks move here, not from token {remote_offset}")
-        num_units = self.local_units.num_units
-        units = np.arange(num_units, dtype=np.int64)[:, None]
-        local_idx = (units * self.local_spec.num_blocks + local[None, :]).reshape(-1)
-        remote_idx = (units * self.remote_spec.num_blocks + remote[None, :]).reshape(-1)
+        units = np.arange(self.local_units.num_units, dtype=np.int64)
+        if not self.state_from:
+            return self._plan_blocks(local, remote, units)
+        if state_ids is None:
+            raise InvalidRequestError("remote_group_sizes", "this pair splits state pages: which blocks hold state?")
+        state = np.isin(local, state_ids)
+        parts = [
+            self._plan_blocks(local[~state], remote[~state], units[: self.state_from]),
+            self._plan_blocks(local[state], remote[state], units[self.state_from :]),
+        ]
+        return PullPlan(
+            local_indices=np.concatenate([p.local_indices for p in parts]),
+            remote_indices=np.concatenate([p.remote_indices for p in parts]),
+            num_blocks=int(local.size),
+            num_descs=sum(p.num_descs for p in parts),
+            num_descs_merged=sum(p.num_descs_merged for p in parts),
+            total_bytes=sum(p.total_bytes for p in parts),
+        )
+
+    def _plan_blocks(self, local: np.ndarray, remote: np.ndarray, units: np.ndarray) -> PullPlan:
+        """Units `units` of every block pair, unit-major."""
+        local_idx = (units[:, None] * self.local_spec.num_blocks + local[None, :]).reshape(-1)
+        remote_idx = (units[:, None] * self.remote_spec.num_blocks + remote[None, :]).reshape(-1)
+        sizes = self.local_units.unit_sizes[units]
         return PullPlan(
             local_indices=local_idx.astype(np.int32),
             remote_indices=remote_idx.astype(np.int32),
             num_blocks=int(local.size),
             num_descs=int(local_idx.size),
-            num_descs_merged=_count_merged(self.local_units, self.remote_units, local, remote),
-            total_bytes=int(local_idx.size) * self.unit_bytes,
+            num_descs_merged=_count_merged(self.local_units, self.remote_units, local, remote, units),
+            total_bytes=int(sizes.sum()) * int(local.size),
         )
 
     def _plan_segments(self, local: np.ndarray, remote: np.ndarray, num_tokens: int | None, offset: int) -> PullPlan:
@@ -232,17 +261,19 @@ class PairPlan:
         )
 
 
-def _unit_positions(table: UnitTable, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _unit_positions(table: UnitTable, ids: np.ndarray, units: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(region, byte offset inside the region) of every (unit, block) in issue order."""
-    region = np.repeat(table.region, ids.size)
-    offset = (table.offset_bytes[:, None] + ids[None, :] * table.block_stride_bytes).reshape(-1)
+    region = np.repeat(table.region[units], ids.size)
+    offset = (table.offset_bytes[units][:, None] + ids[None, :] * table.block_stride_bytes).reshape(-1)
     return region, offset
 
 
-def _count_merged(local_t: UnitTable, remote_t: UnitTable, local: np.ndarray, remote: np.ndarray) -> int:
+def _count_merged(
+    local_t: UnitTable, remote_t: UnitTable, local: np.ndarray, remote: np.ndarray, units: np.ndarray
+) -> int:
     """Descriptors left after merging neighbours that are adjacent, in order, on both sides."""
-    lr, lo = _unit_positions(local_t, local)
-    rr, ro = _unit_positions(remote_t, remote)
-    size = local_t.unit_bytes
+    lr, lo = _unit_positions(local_t, local, units)
+    rr, ro = _unit_positions(remote_t, remote, units)
+    size = np.repeat(local_t.unit_sizes[units], local.size)[:-1]
     joins = (lr[1:] == lr[:-1]) & (lo[1:] == lo[:-1] + size) & (rr[1:] == rr[:-1]) & (ro[1:] == ro[:-1] + size)
     return int(lo.size - np.count_nonzero(joins))

@@ -205,13 +205,27 @@ def _head_runs(spec: CacheSpec, heads: tuple[int, int]) -> UnitTable:
 def head_run_pair(local: CacheSpec, remote: CacheSpec, heads: tuple[int, int]) -> PairPlan:
     """Engine pages (`CacheSpec.page`) of different TP sizes: each block's run of `heads` moves as one piece per
     layer. The pages' interior is the engine's, so only whole heads of equal pages can move: the block sizes
-    must match and heads must be the pages' outer dimension (token_layout HND) on both sides."""
+    must match and heads must be the pages' outer dimension (token_layout HND) on both sides. Pages that hold
+    a Mamba2 state beside K and V move as `state_pair` plans."""
     if holds_state(local.page) or holds_state(remote.page):
         raise LayoutMismatchError(
             {"tp_size": (local.tp_size, remote.tp_size)},
             f"{local.page} pages hold Mamba / linear-attention state beside K and V: they move whole, between "
             "workers of the same tensor-parallel size only",
         )
+    _check_head_runs(local, remote)
+    return PairPlan(
+        local,
+        remote,
+        Granularity.CHUNK,
+        _head_runs(local, heads),
+        _head_runs(remote, heads),
+        seg_tokens=local.block_size,
+        chunks=1,
+    )
+
+
+def _check_head_runs(local: CacheSpec, remote: CacheSpec) -> None:
     mismatch = {
         name: (getattr(local, name), getattr(remote, name))
         for name in ("block_size", "token_layout")
@@ -223,15 +237,35 @@ def head_run_pair(local: CacheSpec, remote: CacheSpec, heads: tuple[int, int]) -
             f"{local.page} pages can only exchange whole heads, with heads outermost in the "
             "page and the same block size on both sides",
         )
-    return PairPlan(
-        local,
-        remote,
-        Granularity.CHUNK,
-        _head_runs(local, heads),
-        _head_runs(remote, heads),
-        seg_tokens=local.block_size,
-        chunks=1,
-    )
+
+
+def state_pair(local: CacheSpec, remote: CacheSpec, heads: tuple[int, int]) -> PairPlan:
+    """A Mamba2 hybrid's pages between ranks of different TP sizes, block for block: an attention block moves
+    its run of `heads` per layer, a state block the runs of x channels, groups and SSM heads the two ranks share
+    (`StateSpec.runs`), each at its own offset; `PairPlan.state_from` tells the two unit sets apart. Both sides
+    must describe their state (`CacheSpec.state`) alike."""
+    if local.state is None or remote.state is None:
+        side = "local" if local.state is None else "remote"
+        raise LayoutMismatchError(
+            {"tp_size": (local.tp_size, remote.tp_size)},
+            f"{local.page} pages hold Mamba / linear-attention state: between workers of different tensor-parallel "
+            f"sizes kvconnect splits a Mamba2 state only, and the {side} worker does not describe it",
+        )
+    _check_head_runs(local, remote)
+    runs = local.state.runs((local.tp_rank, local.tp_size), (remote.tp_rank, remote.tp_size))
+    sizes = np.array([n for _, _, n in runs], dtype=np.int64)
+    attention = [_head_runs(local, heads), _head_runs(remote, heads)]
+    tables = []
+    for spec, column, attn in ((local, 0, attention[0]), (remote, 1, attention[1])):
+        layer = unit_table(spec, Granularity.LAYER)
+        offsets = np.array([run[column] for run in runs], dtype=np.int64)
+        region = np.concatenate([attn.region, np.repeat(layer.region, len(runs))])
+        offset = np.concatenate([attn.offset_bytes, (layer.offset_bytes[:, None] + offsets[None, :]).reshape(-1)])
+        unit_sizes = np.concatenate([attn.unit_sizes, np.tile(sizes, layer.num_units)])
+        tables.append(
+            UnitTable(Granularity.CHUNK, region, offset, int(unit_sizes.max()), spec.block_stride_bytes, unit_sizes)
+        )
+    return PairPlan(local, remote, Granularity.CHUNK, tables[0], tables[1], state_from=attention[0].num_units)
 
 
 def staging_spec(remote: CacheSpec, num_blocks: int, device: str) -> CacheSpec:
@@ -302,6 +336,8 @@ def plan_source(
         and not (holds_state(local.page) or holds_state(remote.page))
     ):
         return SourcePlan(source, Path.DIRECT, page_pair(local, remote, source.heads), why + " (engine pages)")
+    if local.page and (local.state is not None or remote.state is not None):
+        return SourcePlan(source, Path.DIRECT, state_pair(local, remote, source.heads), why + " (state pages)")
     if local.page:
         return SourcePlan(source, Path.DIRECT, head_run_pair(local, remote, source.heads), why + " (engine pages)")
     direct = chunked_pair(local, remote, source.heads)

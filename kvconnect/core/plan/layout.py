@@ -23,6 +23,7 @@ import msgspec
 import numpy as np
 
 from kvconnect.core.errors import LayoutError, LayoutMismatchError
+from kvconnect.core.plan.state import StateSpec
 
 
 class LayoutKind(str, enum.Enum):
@@ -104,6 +105,9 @@ class CacheSpec(msgspec.Struct, frozen=True):
     # format (e.g. "vllm:cpu-vec"): one layer's block is an opaque page, moved whole or, when heads are its
     # outer dimension (token_layout HND), as a run of heads; its regions are (num_blocks, bytes) uint8 views.
     page: str = ""
+    # a Mamba2 hybrid's state layers over the model (`state.py`), when the engine lays them out as kvconnect can
+    # split between ranks of different TP sizes; None: state pages (if any) move whole, between equal TP only
+    state: StateSpec | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -131,6 +135,16 @@ class CacheSpec(msgspec.Struct, frozen=True):
                 problems.append(
                     f"num_kv_heads {self.num_kv_heads} != {max(total // tp, 1)}, the heads per rank "
                     f"of {total} KV heads over tp_size {tp}"
+                )
+        if self.state is not None and not problems:
+            if not holds_state(self.page):
+                problems.append(f"a state spec needs pages that hold state, not {self.page!r}")
+            elif self.state.tp_problem(self.tp_size):
+                problems.append(self.state.tp_problem(self.tp_size))
+            elif self.state.block_bytes(self.tp_size) > self.block_stride_bytes:
+                problems.append(
+                    f"the state's {self.state.block_bytes(self.tp_size)} bytes per block exceed the "
+                    f"{self.block_stride_bytes}-byte page"
                 )
         if problems:
             raise LayoutError("invalid cache spec: " + "; ".join(problems))
@@ -236,17 +250,25 @@ class CacheSpec(msgspec.Struct, frozen=True):
 @dataclass(frozen=True)
 class UnitTable:
     """Where each transfer unit of a block lies: unit u of block b starts at
-    `base_addrs[region[u]] + offset_bytes[u] + b * block_stride_bytes` and spans `unit_bytes`."""
+    `base_addrs[region[u]] + offset_bytes[u] + b * block_stride_bytes` and spans `unit_bytes` (or `sizes[u]`)."""
 
     granularity: Granularity
     region: np.ndarray  # (U,) int64
     offset_bytes: np.ndarray  # (U,) int64
-    unit_bytes: int
+    unit_bytes: int  # every unit's size; with `sizes`, the largest
     block_stride_bytes: int
+    sizes: np.ndarray | None = None  # (U,) int64 when units differ in size (a Mamba state's runs: state.py)
 
     @property
     def num_units(self) -> int:
         return int(self.region.shape[0])
+
+    @property
+    def unit_sizes(self) -> np.ndarray:
+        """(U,) int64: each unit's bytes."""
+        if self.sizes is not None:
+            return self.sizes
+        return np.full(self.num_units, self.unit_bytes, dtype=np.int64)
 
 
 def unit_table(spec: CacheSpec, granularity: Granularity) -> UnitTable:
@@ -301,10 +323,24 @@ def check_compatible(local: CacheSpec, remote: CacheSpec) -> None:
         for name in _MUST_MATCH
         if getattr(local, name) != getattr(remote, name)
     }
+    if "page" in mismatched and local.state is not None and local.state == remote.state:
+        if local.page.split("+state(")[0] == remote.page.split("+state(")[0]:
+            del mismatched["page"]  # (its state shapes are the rank's: the state specs, equal, are the model's)
+    if local.state is not None and remote.state is not None and local.state != remote.state:
+        mismatched["state"] = (local.state, remote.state)
     if mismatched:
         why = "the two workers do not serve the same model shape"
         if "page" in mismatched and holds_state(local.page) and holds_state(remote.page):
-            why += " (or lay out its Mamba state differently: vLLM's VLLM_SSM_CONV_STATE_LAYOUT, SD or DS, must match)"
+            undescribed = [side for side, spec in (("local", local), ("remote", remote)) if spec.state is None]
+            if local.tp_size != remote.tp_size and undescribed:
+                why = (
+                    "pages that hold Mamba / linear-attention state differ between tensor-parallel sizes: kvconnect "
+                    f"splits a Mamba2 state only, and the {' and '.join(undescribed)} worker does not describe it"
+                )
+            else:
+                why += (
+                    " (or lay out its Mamba state differently: vLLM's VLLM_SSM_CONV_STATE_LAYOUT, SD or DS, must match)"
+                )
         raise LayoutMismatchError(mismatched, why)
 
 

@@ -96,11 +96,17 @@ class Link(abc.ABC):
 
     @abc.abstractmethod
     def prepare(
-        self, local_ids: np.ndarray, remote_ids: np.ndarray, num_tokens: int | None, remote_offset: int = 0
+        self,
+        local_ids: np.ndarray,
+        remote_ids: np.ndarray,
+        num_tokens: int | None,
+        remote_offset: int = 0,
+        state_ids: np.ndarray | None = None,
     ) -> Move | None:
         """One pull's move: its ids checked against both caches and put in the order the transfer issues them,
         what it needs reserved (None while there is no room: ask again later). `remote_offset`: the remote
-        blocks' first tokens to leave out (pieces of blocks only). Raises InvalidRequestError."""
+        blocks' first tokens to leave out (pieces of blocks only); `state_ids`: the local blocks that hold state
+        (`PairPlan.state_from`). Raises InvalidRequestError."""
 
     def close(self) -> None:  # noqa: B027 - most links hold nothing of their own
         """The peer is being dropped: free what the link holds for it (moves still in flight keep what they use

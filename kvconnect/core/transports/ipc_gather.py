@@ -288,10 +288,17 @@ class IpcLink(Link):
         self._gather, self._pair = gather, pair
 
     def prepare(
-        self, local_ids: np.ndarray, remote_ids: np.ndarray, num_tokens: int | None, remote_offset: int = 0
+        self,
+        local_ids: np.ndarray,
+        remote_ids: np.ndarray,
+        num_tokens: int | None,
+        remote_offset: int = 0,
+        state_ids: np.ndarray | None = None,
     ) -> IpcMove:
         if remote_offset:
             raise InvalidRequestError("remote_block_ids", "the IPC gather copies whole blocks from their first token")
+        if self._pair.state_from:
+            raise InvalidRequestError("remote_block_ids", "the IPC gather copies whole blocks, not state runs")
         local, remote = self._pair.bounds_checked(local_ids, remote_ids)  # one kernel: issue order is irrelevant
         return IpcMove(self._gather, self._pair, local, remote)
 

@@ -99,7 +99,13 @@ class NixlRead(Transport):
         """The prepared list of the pulls' local target; plans with equal local unit tables share one."""
         table = plan.pair.local_units
         spec = plan.pair.local_spec
-        key = (table.granularity, table.unit_bytes, table.region.tobytes(), table.offset_bytes.tobytes(), spec)
+        key = (
+            table.granularity,
+            table.unit_sizes.tobytes(),
+            table.region.tobytes(),
+            table.offset_bytes.tobytes(),
+            spec,
+        )
         if key not in self._local_lists:
             assert self._agent is not None
             descs = strided_descriptor_array(table, spec.num_blocks, target.base_addrs(), target.device_id)
@@ -126,11 +132,16 @@ class NixlLink(Link):
         self._closed = False
 
     def prepare(
-        self, local_ids: np.ndarray, remote_ids: np.ndarray, num_tokens: int | None, remote_offset: int = 0
+        self,
+        local_ids: np.ndarray,
+        remote_ids: np.ndarray,
+        num_tokens: int | None,
+        remote_offset: int = 0,
+        state_ids: np.ndarray | None = None,
     ) -> NixlMove | None:
         if self._pool is None:
             local, remote = self._pair.order_checked(local_ids, remote_ids)
-            return NixlMove(self, local, remote, num_tokens, remote_offset=remote_offset)
+            return NixlMove(self, local, remote, num_tokens, remote_offset=remote_offset, state_ids=state_ids)
         if remote_offset:  # (the scatter places whole staged blocks' tokens from their first)
             raise InvalidRequestError("remote_block_ids", "the staging path reads whole blocks from their first token")
         staged = self._pool.alloc(len(remote_ids))  # (InvalidRequestError: it can never fit)
@@ -169,9 +180,10 @@ class NixlMove(Move):
         staged: list[int] | None = None,
         targets: np.ndarray | None = None,
         remote_offset: int = 0,
+        state_ids: np.ndarray | None = None,
     ) -> None:
         self._link, self.local_ids, self.remote_ids, self._num_tokens = link, local_ids, remote_ids, num_tokens
-        self._offset = remote_offset
+        self._offset, self._state_ids = remote_offset, state_ids
         # staging: the staging blocks read into, the cache's blocks
         self._staged, self._targets = staged, targets
         self._xfer: XferHandle | None = None
@@ -179,7 +191,9 @@ class NixlMove(Move):
 
     def post(self, notif: bytes) -> tuple[XferState, PullPlan]:
         link = self._link
-        plan = link._pair.plan_validated(self.local_ids, self.remote_ids, self._num_tokens, self._offset)
+        plan = link._pair.plan_validated(
+            self.local_ids, self.remote_ids, self._num_tokens, self._offset, self._state_ids
+        )
         self._xfer = link._agent.read(link._local, plan.local_indices, link._remote, plan.remote_indices, notif)
         if not link._agent.options.merge_descs:  # (then NIXL issues every unit apart)
             plan = dataclasses.replace(plan, num_descs_merged=plan.num_descs)
