@@ -21,7 +21,13 @@
 #   here, once: the carry of ../shared/gpu-vllm/README.md (.vc/a, .vc/b, .vc/c) and the NIXL wheels in .whl/
 #     (nixl-cu13 and nixl, 1.5.1 as results/gpu/serve ran; the device tool's README says how)
 #   calls 1-3: that README's calls 1-3 (carry .vc/a, .vc/c, .vc/b)                    ~1-2 min start, ~2 min
-#   call 4 (carry .whl): ls /tmp/site26/vllm >/dev/null || { echo COLD; exit 3; }; python3 -m pip install -q \
+#     (.vc/a's vllm_C.zip, 55 MiB, and a tree of 10 MiB exceed the 64 MiB a call carries: split it, e.g.
+#     `split -b 40M .vc/a/vllm_C.zip` into .vc/a1 and .vc/a2 with the small wheels, copy the first part to /tmp
+#     in one call and `cat` both parts in the next; results/gpu/nixl-path-h100 ran so)
+#   call 4 (carry .whl: the nixl wheel and nixl-cu13's wheel repacked without its nixl_ep_cu13/ folder as
+#     nixl_cu13_min.zip, 30 MiB; the whole wheel, 57 MiB, and the tree exceed the 64 MiB a call carries):
+#     ls /tmp/site26/vllm >/dev/null || { echo COLD; exit 3; }; python3 -m zipfile -e .whl/nixl_cu13_min.zip \
+#     /tmp/site26 && python3 -m pip install -q \
 #     --no-index --no-deps --no-compile --target /tmp/site26 .whl/*.whl && \
 #     bash benchmarks/gpu_nixl_path.sh /tmp/gpu-nixl 0 $OUT                               ~7 min
 #   call 5: bash benchmarks/gpu_nixl_path.sh /tmp/gpu-nixl 1 $OUT                         ~7 min
