@@ -351,15 +351,34 @@ def test_first_contacts_and_known_peers_are_bounded_and_idle_peers_make_room(mon
             p_.close()
 
 
+def test_leases_on_their_way_to_their_decodes_are_read_even_past_the_cache_share(wire) -> None:
+    """On one H100 under load (results/gpu/nixl-path-h100), leases waiting a fraction of a second for their
+    decodes reached `lease_cache_share` of a small cache; the prefill ended the oldest, and those requests failed
+    with LeaseLostError. A lease younger than `lease_share_min_idle_s` (default 10 s) now stays: five legs over
+    a share of 8 of 16 blocks are all held, and every decode reads its own."""
+    cache = KVCache.allocate(spec(LayoutKind.CROSS_LAYER, 16))
+    cache.fill_pattern(5)
+    config = config_for_tests(lease_cache_share=0.5, lease_ttl_s=60.0)
+    with KVConnector(cache, config, transports=(FakeTransport,)) as prefill:
+        wire.serve(prefill._peer_info.agent_name, cache)
+        legs = [prefill.lease(rid(), [2 * i, 2 * i + 1], 32) for i in range(5)]  # 10 blocks: past the share
+        assert [prefill.lease_state(p.remote_lease_id).value for p in legs] == ["held"] * 5
+        assert prefill.snapshot().lease_blocks_held == 10
+        with decoder(wire) as dec:
+            for i, p in enumerate(legs):
+                dec.pull(p, [0, 1]).wait(10)
+                assert dec.cache.block_bytes(1) == cache.block_bytes(2 * i + 1)
+
+
 def test_prefill_legs_nobody_reads_cannot_hold_the_whole_cache(wire) -> None:
     """Prefill legs whose decode never comes (a client that disconnects after the first leg) used to hold
     their blocks for the TTL, every block of the cache with four of them. With lease_cache_share 0.5 of a
-    16-block cache, a fifth leg expires the oldest unread lease instead, and its own decode reads it."""
+    16-block cache, a fifth leg expires the oldest unread lease instead, and its own decode reads it (leases idle
+    for any time may end here: `lease_share_min_idle_s` 0; the next test keeps the default)."""
     cache = KVCache.allocate(spec(LayoutKind.CROSS_LAYER, 16))
     cache.fill_pattern(5)
-    with KVConnector(
-        cache, config_for_tests(lease_cache_share=0.5, lease_ttl_s=60.0), transports=(FakeTransport,)
-    ) as prefill:
+    config = config_for_tests(lease_cache_share=0.5, lease_ttl_s=60.0, lease_share_min_idle_s=0.0)
+    with KVConnector(cache, config, transports=(FakeTransport,)) as prefill:
         wire.serve(prefill._peer_info.agent_name, cache)
         abandoned = [prefill.lease(rid(), [2 * i, 2 * i + 1], 32) for i in range(4)]  # 8 of 16 blocks
         fifth = prefill.lease(rid(), [10, 11], 32)

@@ -347,6 +347,23 @@ def test_leases_hold_at_most_their_share_of_the_cache_and_abandoned_ones_make_ro
     assert big.state("alone") is LeaseState.HELD
 
 
+def test_only_leases_idle_long_enough_end_to_keep_the_cache_share() -> None:
+    """A lease younger than `share_min_idle_s` is most likely on its way to its decode: the bound ends only
+    leases idle at least that long (oldest first), and the grant goes over it meanwhile."""
+    clock, freed = Clock(), []
+    t = LeaseTable(60.0, clock, lambda lease, ids: freed.extend(ids), max_blocks=4, share_min_idle_s=10.0)
+    t.grant("a", [1, 2])
+    clock.now += 1.0
+    t.grant("b", [3, 4])
+    clock.now += 1.0
+    t.grant("c", [5, 6])  # 6 > 4, but "a" and "b" are 2 s and 1 s old: both stay
+    assert [t.state(x) for x in "abc"] == [LeaseState.HELD] * 3 and t.num_blocks_held == 6 and freed == []
+    clock.now += 9.0  # "a" idle 11 s, "b" 10 s, "c" 9 s
+    t.grant("d", [7])  # 7 > 4: "a" then "b" end; "c" is younger than 10 s and stays
+    assert t.state("a") is LeaseState.EXPIRED and t.state("b") is LeaseState.EXPIRED
+    assert t.state("c") is LeaseState.HELD and sorted(freed) == [1, 2, 3, 4] and t.num_blocks_held == 3
+
+
 @given(
     leased=st.lists(st.integers(0, 40), min_size=1, max_size=12, unique=True),
     named=st.lists(st.integers(0, 40), max_size=12),

@@ -67,10 +67,10 @@ def test_a_grant_over_the_cache_share_looks_only_at_the_held_leases(monkeypatch:
     seen: list[int] = []
     room_for = Holds.room_for
 
-    def counting(self, ids, leases, max_blocks):  # type: ignore[no-untyped-def]
+    def counting(self, ids, leases, max_blocks, *rest):  # type: ignore[no-untyped-def]
         leases = list(leases)
         seen.append(len(leases))
-        return room_for(self, ids, leases, max_blocks)
+        return room_for(self, ids, leases, max_blocks, *rest)
 
     monkeypatch.setattr(Holds, "room_for", counting)
     t = LeaseTable(TTL_S, Clock(), lambda lease, ids: None, tombstone_s=TOMB_S, max_blocks=4)

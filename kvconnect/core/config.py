@@ -71,6 +71,12 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
     # has pinned that were least recently granted or renewed (prefill legs whose decode never came), so abandoned
     # legs cannot starve the prefill of blocks until their TTL (a grant is never refused; leases being read stay)
     lease_cache_share: float = 0.5
+    # of the leases past lease_cache_share, only those idle this long (no grant or renewal) end: a younger one is
+    # most likely on its way to a decode that will read it (a queued request's decode renews it every
+    # lease_renew_s), and ending it fails that request, where holding it makes the prefill's new prompts wait for
+    # blocks. An abandoned leg still ends this long after its grant once leases hold their share, instead of one
+    # TTL (0: any unpinned lease; at or past lease_ttl_s the share ends nothing the TTL would not)
+    lease_share_min_idle_s: float = 10.0
     handshake_timeout_s: float = 5.0  # decode: a prefill that has not answered its handshake by then fails its pulls
     pull_timeout_s: float = 30.0  # deadline of one READ, posting to completion
     confirm_reads: bool = True  # ask the prefill side whether the lease held during the read
@@ -155,6 +161,8 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
             raise ConfigError(f"lease_renew_s must be >= 0 (0: never renew), got {self.lease_renew_s}")
         if not 0 < self.lease_cache_share <= 1:
             raise ConfigError(f"lease_cache_share must be in (0, 1], got {self.lease_cache_share}")
+        if self.lease_share_min_idle_s < 0:
+            raise ConfigError(f"lease_share_min_idle_s must be >= 0, got {self.lease_share_min_idle_s}")
         if not 0 <= self.lease_grace_s <= MAX_LEASE_GRACE_S:
             raise ConfigError(f"lease_grace_s must be between 0 and {MAX_LEASE_GRACE_S:g} s, got {self.lease_grace_s}")
         try:

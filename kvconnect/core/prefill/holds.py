@@ -35,12 +35,20 @@ class Holds:
                 freed.append(b)
         return freed
 
-    def room_for(self, ids: tuple[int, ...], leases: Iterable[Lease], max_blocks: int | None) -> list[Lease]:
+    def room_for(
+        self,
+        ids: tuple[int, ...],
+        leases: Iterable[Lease],
+        max_blocks: int | None,
+        now: float = 0.0,
+        min_idle_s: float = 0.0,
+    ) -> list[Lease]:
         """The oldest leases nobody has pinned that end so that, with a grant of `ids`, the leases hold at most
         `max_blocks` (`leases`: the held ones), least recently granted or renewed first (prefill legs whose decode
-        never came go before leases a decode's queue still renews). A grant is never refused:
-        the request is the engine's to serve. Pinned leases are being read and stay, so what they and the grant
-        hold may exceed the bound."""
+        never came go before leases a decode's queue still renews), of those idle at least `min_idle_s` at `now`
+        (a younger lease is most likely on its way to its decode). A grant is never refused: the request is the
+        engine's to serve. Pinned leases are being read and stay, as do younger ones, so what they and the
+        grant hold may exceed the bound."""
         held = len(self._count) + sum(1 for b in ids if b not in self._count)
         if max_blocks is None or held <= max_blocks:
             return []
@@ -49,6 +57,8 @@ class Holds:
         for lease in ordered:
             if held <= max_blocks:
                 break
+            if now - lease.active_s < min_idle_s:
+                break  # (sorted by activity: every lease after it is younger)
             if lease.state is LeaseState.HELD and not lease.pins:
                 victims.append(lease)
                 for b in lease.block_ids:

@@ -65,6 +65,7 @@ class Lender:
             max_blocks=max(1, int(config.lease_cache_share * cache.spec.num_blocks)),
             on_state=self._show,
             max_s=config.lease_max_s,
+            share_min_idle_s=config.lease_share_min_idle_s,
         )
         self._agent: NixlAgent | None = None  # (its notifications: `serve`)
         self._refusal_logs = LogLimiter(REFUSAL_LOGS_PER_S)

@@ -26,8 +26,9 @@ read them. The rules:
   TTL ran out (before a tick ended the lease) ends it instead of reviving it.
 - **Bounded.** Leases hold at most `max_blocks` blocks at once (`lease_cache_share` of the cache): a grant
   beyond it expires the leases nobody has pinned that were least recently granted or renewed (prefill legs
-  whose decode never came go before leases a queue still renews). A grant is never refused, and pinned leases
-  (being read) stay, so those and the grant may go over the bound.
+  whose decode never came go before leases a queue still renews), of those idle `share_min_idle_s` or longer
+  (a younger lease is most likely on its way to a decode: ending it fails that request). A grant is never
+  refused, and pinned or younger leases stay, so those and the grant may go over the bound.
 - **Work by what is due.** `expire` runs at every connector tick, the engine's included: it looks only at
   leases with something due (a TTL, a pin's deadline, a tombstone to forget: `due.py`), never at the minute's
   tombstones.
@@ -65,8 +66,10 @@ class LeaseTable:
         max_blocks: int | None = None,
         on_state: Callable[[Lease], None] = lambda lease: None,
         max_s: float | None = None,
+        share_min_idle_s: float = 0.0,
     ) -> None:
-        """`max_blocks`: the most blocks leases may hold at once (module docstring, "Bounded"). `max_s`: the
+        """`max_blocks`: the most blocks leases may hold at once, ending only leases idle `share_min_idle_s` or
+        longer to keep to it (module docstring, "Bounded"). `max_s`: the
         longest renewals may hold a lease from its grant (default: the TTL, i.e. renewals add nothing).
         `on_state(lease)`: a grant, and an end before any block goes back (the same-host lease board,
         board.py), under the table's lock."""
@@ -86,7 +89,7 @@ class LeaseTable:
         self._expire_read = expire_read or (lambda: False)  # fault injection (faults.py): this read fails
         self.grace_s = grace_s
         self._early = EarlyReleases()
-        self.max_blocks = max_blocks
+        self.max_blocks, self.share_min_idle_s = max_blocks, share_min_idle_s
         self.counts = {state: 0 for state in LeaseState}
         self._due = DueTimes()
         self.looked_at = 0  # leases `expire` has looked at (what it costs: only those with something due)
@@ -159,7 +162,7 @@ class LeaseTable:
             if groups and (sum(groups) != len(ids) or min(groups) < 0):
                 raise LeaseError(f"lease {label or lease_id[:8]}: group sizes {list(groups)} do not split its blocks")
             now = self._clock()
-            making_room = self._holds.room_for(ids, self._held.values(), self.max_blocks)
+            making_room = self._holds.room_for(ids, self._held.values(), self.max_blocks, now, self.share_min_idle_s)
             lease = Lease(
                 lease_id,
                 ids,
