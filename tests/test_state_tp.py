@@ -5,6 +5,7 @@ nothing written twice or outside what the rank holds."""
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -187,3 +188,14 @@ def test_state_pages_between_tp_sizes_need_both_sides_to_describe_the_state() ->
     # equal TP sizes: the pages are the same bytes, moved whole (no state ids needed)
     same = plan_source(page_spec(2, 0, s), page_spec(2, 0, s), plan_sources(page_spec(2, 0, s), 2).reads[0])
     assert same.path is Path.BLOCK and not same.pair.state_from
+
+
+def test_state_pages_are_not_split_where_ranks_hold_copies_of_heads() -> None:
+    """With more ranks than KV heads a decode rank reads each head from one copy, so the prefill ranks it reads
+    would not hold all of its state: refused, naming why (a silent hole otherwise)."""
+    s = state_spec("SD", 1, heads=8, head_dim=2, conv_len=2)
+    replicated = msgspec.structs.replace(page_spec(1, 0, s), tp_size=8, num_kv_heads=1)
+    local = page_spec(1, 0, s)
+    src = plan_sources(local, 8).reads[0]
+    with pytest.raises(LayoutMismatchError, match="more ranks than its 4 KV heads"):
+        plan_source(local, replicated, src)

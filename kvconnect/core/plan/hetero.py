@@ -251,6 +251,12 @@ def state_pair(local: CacheSpec, remote: CacheSpec, heads: tuple[int, int]) -> P
             f"{local.page} pages hold Mamba / linear-attention state: between workers of different tensor-parallel "
             f"sizes kvconnect splits a Mamba2 state only, and the {side} worker does not describe it",
         )
+    if max(local.head_replication, remote.head_replication) > 1:
+        raise LayoutMismatchError(
+            {"tp_size": (local.tp_size, remote.tp_size)},
+            f"a Mamba2 hybrid over more ranks than its {local.model_kv_heads} KV heads: the ranks a decode rank reads "
+            "heads from (one copy each) do not hold all of its state",
+        )
     _check_head_runs(local, remote)
     runs = local.state.runs((local.tp_rank, local.tp_size), (remote.tp_rank, remote.tp_size))
     sizes = np.array([n for _, _, n in runs], dtype=np.int64)
