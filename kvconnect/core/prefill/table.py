@@ -25,10 +25,9 @@ read them. The rules:
   and no lease is held forever. A renewal claims no reader slot and reads nothing; one that comes after the
   TTL ran out (before a tick ended the lease) ends it instead of reviving it.
 - **Bounded.** Leases hold at most `max_blocks` blocks at once (`lease_cache_share` of the cache): a grant
-  beyond it expires the leases nobody has pinned that were least recently granted or renewed (prefill legs
-  whose decode never came go before leases a queue still renews), of those idle `share_min_idle_s` or longer
-  (a younger lease is most likely on its way to a decode: ending it fails that request). A grant is never
-  refused, and pinned or younger leases stay, so those and the grant may go over the bound.
+  beyond it expires unpinned leases idle `share_min_idle_s` or longer, least recently granted or renewed first
+  (`Holds.room_for`: a younger lease is most likely on its way to its decode). A grant is never refused; pinned
+  or younger leases stay, so those and the grant may go over the bound.
 - **Work by what is due.** `expire` runs at every connector tick, the engine's included: it looks only at
   leases with something due (a TTL, a pin's deadline, a tombstone to forget: `due.py`), never at the minute's
   tombstones.
@@ -68,9 +67,8 @@ class LeaseTable:
         max_s: float | None = None,
         share_min_idle_s: float = 0.0,
     ) -> None:
-        """`max_blocks`: the most blocks leases may hold at once, ending only leases idle `share_min_idle_s` or
-        longer to keep to it (module docstring, "Bounded"). `max_s`: the
-        longest renewals may hold a lease from its grant (default: the TTL, i.e. renewals add nothing).
+        """`max_blocks`, `share_min_idle_s`: the bound on what leases hold at once (module docstring, "Bounded").
+        `max_s`: the longest renewals may hold a lease from its grant (default: the TTL, i.e. renewals add nothing).
         `on_state(lease)`: a grant, and an end before any block goes back (the same-host lease board,
         board.py), under the table's lock."""
         if ttl_s <= 0:
@@ -121,8 +119,7 @@ class LeaseTable:
         return checks.prompt_problem(self._get(lease_id), prompt)
 
     def digest_matches(self, lease_id: str, num_blocks: int, digest: bytes, group_sizes: Sequence[int] = ()) -> bool:
-        """Whether a notification's (count, digest) names a suffix of the lease's blocks
-        (`checks.digest_matches`)."""
+        """Whether a notification's (count, digest) names a suffix of the lease's blocks (`checks.digest_matches`)."""
         return checks.digest_matches(self._get(lease_id), num_blocks, digest, group_sizes)
 
     def content_of(self, lease_id: str, block_ids: Sequence[int]) -> list[int] | None:
