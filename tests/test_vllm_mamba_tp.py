@@ -65,7 +65,7 @@ def expected_bytes(num_prompt_tokens: int) -> int:
 
 def test_every_rank_describes_the_models_state(pair: VllmCluster) -> None:
     logs = "\n".join(open(f"{pair.log_dir}/{n}.log").read() for n in ("tp1", "tp2"))
-    assert logs.count("+ Mamba2 state split by TP") == 3, "each of the 3 ranks describes the state"
+    assert logs.count("describes the model's Mamba2 state") == 3, "each of the 3 ranks describes the state"
 
 
 @pytest.mark.parametrize("prefill,decode", [("tp1", "tp2"), ("tp2", "tp1")], ids=["tp1-to-tp2", "tp2-to-tp1"])

@@ -52,7 +52,10 @@ def describe_with_state(
         log.info("kvconnect: the state layers are not laid out as %s: their pages move between equal TP only", state)
         return described
     cache = KVCache.from_tensors(msgspec.structs.replace(spec, state=state), list(described.cache.regions))
-    return Described(cache, described.layer_names, described.layout + " + Mamba2 state split by TP")
+    log.info(
+        "kvconnect: rank %d describes the model's Mamba2 state (peers of other TP sizes read their share)", spec.tp_rank
+    )
+    return Described(cache, described.layer_names, described.layout)
 
 
 def _as_pages(described: Described, page: str) -> Described:
