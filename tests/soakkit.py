@@ -30,6 +30,11 @@ HALF_SENT_OPEN = 16  # raw connections kept half-sent at once
 HALF_FRAME_BYTES = 200 * 1024  # under the side channel's 256 KiB cap for unauthenticated frames
 
 
+def _other_char(c: str) -> str:
+    """A character other than `c` (a forgery that equals the original is no forgery: ids start with any char)."""
+    return "y" if c == "x" else "x"
+
+
 def zmtp_greeting() -> bytes:
     """ZMTP 3.0 greeting (NULL mechanism) and READY command of a DEALER socket."""
     greeting = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + bytes(31)
@@ -44,7 +49,7 @@ class MoreAttacks:
     # signed fields a forger changes (or the signature dropped): the decode must refuse every one before it dials
     FORGERIES: tuple[tuple[str, Callable[[dict[str, Any]], Any]], ...] = (
         ("remote_block_ids", lambda p: [b + 1 for b in p["remote_block_ids"]]),
-        ("remote_lease_id", lambda p: "x" + p["remote_lease_id"][1:]),
+        ("remote_lease_id", lambda p: _other_char(p["remote_lease_id"][0]) + p["remote_lease_id"][1:]),
         ("remote_host", lambda p: "localhost"),
         ("remote_expires_ms", lambda p: p["remote_expires_ms"] + 3_600_000),
         ("remote_prompt_digest", lambda p: "0" * 32),

@@ -27,15 +27,19 @@ import json
 import os
 import random
 import re
+import string
 import threading
 import time
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 import zmq
 
-from kvconnect.core.errors import KVConnectError
+from kvconnect.core.errors import InvalidRequestError, KVConnectError
+from kvconnect.core.plan.params import lease_params, parse_kv_transfer_params
+from kvconnect.core.plan.signing import Keyring, sign_params, verify_params
 from kvconnect.harness.cluster import Cluster
 from kvconnect.serving.server import LEASE_NOT_READABLE
 from tests.faultkit import health, idle, log_text, poll_until, scrape
@@ -545,3 +549,31 @@ def test_soak_with_random_faults(cluster: Cluster) -> None:
         said = m.group(1)[:60] if LEASE_NOT_READABLE not in r["error"] else "failed: "  # (uniform to clients)
         lines = [ln for ln in handled if re.search(rf"\b{r['rid']}\b", ln) and said in ln]
         assert len(lines) == 1, (r, lines)
+
+
+def test_every_soak_forgery_is_refused_by_the_verifier_whatever_the_lease_id() -> None:
+    """The soak's forged params (soakkit.FORGERIES) must each differ from the genuine ones, for a lease id starting
+    with any character `secrets.token_urlsafe` draws: one that began with the character the forger wrote made a
+    'forgery' equal to the original, which decode-r then read (a CI flake)."""
+    keys = Keyring([SECRET.encode()])
+    now_ms = int(time.time() * 1000)
+    for first in string.ascii_letters + string.digits + "-_":
+        genuine = lease_params(
+            engine_id="prefill-engine",
+            host="127.0.0.1",
+            base_port=5600,
+            tp_size=1,
+            incarnation_id="inc",
+            request_id="r1",
+            lease_id=first + "Q" * 21,
+            block_ids=[3, 4],
+            num_tokens=40,
+            prompt=b"\x01" * 16,
+        )
+        params = msgspec.to_builtins(sign_params(genuine, keys, expires_ms=now_ms + 60_000))
+        for field, forge in MoreAttacks.FORGERIES:
+            forged = {f: v for f, v in {**params, field: forge(params)}.items() if v is not None}
+            parsed = parse_kv_transfer_params(forged)
+            assert parsed is not None
+            with pytest.raises(InvalidRequestError, match=r"kv_transfer_params\.remote_"):
+                verify_params(parsed, keys, now_ms)
