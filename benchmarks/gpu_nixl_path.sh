@@ -6,7 +6,7 @@
 # inter-token baseline; `vllm bench serve` at 4, 8 and 16 requests/s and a cap of 16 in flight on Poisson arrivals
 # at 20 requests/s, 8 s of requests per cell, 3 runs. Every NIXL server runs with UCX_PROTO_INFO=y.
 #
-#   bash benchmarks/gpu_nixl_path.sh OUT [STEP [BACK]]
+#   [PAIRS=a,b,...] bash benchmarks/gpu_nixl_path.sh OUT [STEP [BACK]]
 #
 # In steps: one run per invocation. The device machine allows 10 minutes per command and 30 minutes per session;
 # one run is 9 servers started together (~2 min, run9 of results/gpu/serve: 7 in 99 s) and 20 client runs of
@@ -46,11 +46,14 @@ mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -
 kv=8G
 [ "${mib:-0}" -lt 120000 ] && kv=6G
 echo "GPU: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), ${mib} MiB; KV per server: $kv"
+# PAIRS: the pairs to start (kvconnect/bench/gpu_pd.py), e.g. PAIRS=kvconnect-nixl,kvconnect-nixl-xl,nixl
+pairs=${PAIRS:-kvconnect-nixl,nixl,push,kvconnect-samehost}
+echo "pairs: $pairs (and a plain server)"
 if [ -n "$step" ]; then runs="--runs 1 --run-index $step"; else runs="--runs 3"; fi
 [ -z "$step" ] && limit=1800 || limit=540
 mkdir -p "$out"
 # shellcheck disable=SC2086
-timeout -s INT -k 30 "$limit" python3 benchmarks/vllm_serve_gpu.py "$out" $runs --pairs kvconnect-nixl,nixl,push,kvconnect-samehost \
+timeout -s INT -k 30 "$limit" python3 benchmarks/vllm_serve_gpu.py "$out" $runs --pairs "$pairs" \
   --rates 4,8,16 --concurrency 16 --concurrency-rate 20 --prompts-per-rate 8 --client resident \
   --gpu-args "--gpu-memory-utilization 0.1 --kv-cache-memory-bytes $kv" 2>&1 | tee -a "$out/serve${step}.out"
 rc=${PIPESTATUS[0]}

@@ -46,9 +46,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvconnect.bench.gpu_pd import moves_by_nixl, pair_servers
+from kvconnect.bench.gpu_pd import STAGES, moves_by_nixl, pair_servers
 from kvconnect.bench.serve_client import ServeClient
 from kvconnect.bench.serve_table import aligned, points, spread
+from kvconnect.bench.vllm_pd import scrape_sums
 from kvconnect.harness.tiny_llama import TinyLlama, build
 from kvconnect.harness.vllm_cluster import Server, VllmCluster
 from kvconnect.verdict.ucx_tables import format_byte_paths, remote_memory_lines
@@ -161,6 +162,7 @@ def measure(args: argparse.Namespace) -> None:
     ) as c:
         ucx = {s.name: {k: v for k, v in sorted(c.base_env(s).items()) if k.startswith("UCX_")} for s in servers}
         targets = {"plain": c.urls["plain"]}
+        decodes = {name: c.urls[f"{name}-decode"] for name in names if name.startswith("kvconnect")}
         for name in names:
             targets[name] = c.add_proxy(f"{name}-proxy", f"{name}-prefill", [f"{name}-decode"])
         c.wait_healthy([f"{name}-proxy" for name in names])
@@ -172,7 +174,7 @@ def measure(args: argparse.Namespace) -> None:
             for k in range(first, first + args.runs):
                 seed = args.order_seed if k == first and args.order_seed is not None else seeds.randrange(2**31)
                 meta = {"run": k, "order_seed": seed, "servers_started_in": f"run{first}", "ucx": ucx}
-                measure_run(args, client, targets, model, k, seed, meta)
+                measure_run(args, client, targets, decodes, model, k, seed, meta)
                 write_proto(logs, args.out / f"run{k}" / "ucx-proto.txt", first, names)
         finally:
             client.close()
@@ -182,12 +184,15 @@ def measure_run(
     args: argparse.Namespace,
     client: Client,
     targets: dict[str, str],
+    decodes: dict[str, str],
     model: Path,
     k: int,
     seed: int,
     meta: dict[str, Any],
 ) -> None:
-    """Run k: every cell, the targets in an order shuffled per cell with `seed`; writes run<k>/."""
+    """Run k: every cell, the targets in an order shuffled per cell with `seed`; writes run<k>/. For kvconnect's
+    pairs (`decodes`: target -> its decode server) each row adds the mean of each stage of a pull over the cell
+    (`stages_ms`, from the decode's histograms before and after it, and `pulls`: how many it counted)."""
     run_dir = args.out / f"run{k}"
     (run_dir / "runs").mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -207,14 +212,26 @@ def measure_run(
         for target in order:
             t1 = time.monotonic()
             out = run_dir / "runs" / f"{target}-{label}.json"
+            before = scrape_sums(decodes[target], STAGES) if target in decodes else None
             r = client.bench(client_argv(targets[target], model, args, out, rate, cap), out)
             row: dict[str, Any] = {"run_index": k, "target": target, "run": label, "rate": None if cap else rate}
             row.update(concurrency=cap, arrival_rate=rate, order_seed=seed)
             row.update({m: r.get(m) for m in ("completed", "failed", *METRICS)})
+            if before is not None:
+                row.update(stage_means(before, scrape_sums(decodes[target], STAGES)))
             rows.append(row)
             print(json.dumps(row), f"({time.monotonic() - t1:.0f} s)", flush=True)
             (run_dir / "rows.json").write_text(json.dumps(rows, indent=1))  # (as it goes: a cut run keeps it)
     (run_dir / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def stage_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, Any]:
+    """Each stage's mean over the pulls counted between two scrapes (ms), and how many pulls the last stage counted."""
+    means = {}
+    for key, (total, count) in after.items():
+        n = count - before[key][1]
+        means[key.removesuffix("_s")] = round((total - before[key][0]) / n * 1e3, 3) if n else None
+    return {"stages_ms": means, "pulls": after["read_to_usable_s"][1] - before["read_to_usable_s"][1]}
 
 
 def write_proto(logs: Path, path: Path, first: int, names: list[str]) -> None:
@@ -255,7 +272,9 @@ def summarize(out: Path) -> None:
         plot(rows, out)
         return
     (out / "serve.json").write_text(json.dumps(rows, indent=1))
-    text = header(metas) + table(rows) + "\n\nrows:\n" + "\n".join(json.dumps(r) for r in rows) + "\n"
+    text = (
+        header(metas) + table(rows) + stage_table(rows) + "\n\nrows:\n" + "\n".join(json.dumps(r) for r in rows) + "\n"
+    )
     (out / "serve.txt").write_text(text)
     print(table(rows), flush=True)
     plot(rows, out)
@@ -281,6 +300,22 @@ def table(rows: list[dict]) -> str:
             cells += [spread([float(r[c]) for r in rs if r.get(c) is not None]) for c in cols]
             out.append(cells)
     return aligned(out)
+
+
+def stage_table(rows: list[dict]) -> str:
+    """Per cell and kvconnect target: each pull stage's mean (ms), median over runs and [min-max]; "" if none."""
+    staged = [r for r in rows if r.get("stages_ms")]
+    if not staged:
+        return ""
+    stages = list(staged[0]["stages_ms"])
+    out = [["cell", "target", "runs", "pulls", *stages]]
+    for cell in dict.fromkeys(r["run"] for r in staged):
+        for target in dict.fromkeys(r["target"] for r in staged if r["run"] == cell):
+            rs = [r for r in staged if r["run"] == cell and r["target"] == target]
+            cells = [cell, target, str(len(rs)), spread([float(r["pulls"]) for r in rs])]
+            cells += [spread([r["stages_ms"][s] for r in rs if r["stages_ms"].get(s) is not None]) for s in stages]
+            out.append(cells)
+    return "\n\npull stages on the decode, mean per pull over the cell (ms):\n" + aligned(out)
 
 
 def plot(rows: list[dict], out: Path) -> None:

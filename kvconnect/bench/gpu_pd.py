@@ -9,6 +9,9 @@ The pairs, each a prefill and a decode server with the same flags:
 - `kvconnect-nixl`: the plug-in as pods on different nodes run it: `transport: nixl` (every pull a NIXL READ) and
   `lease_board: false` (the board lives in the host's shared memory, which two nodes do not share: every pull
   waits for its PIN's answer);
+- `kvconnect-nixl-xl`: `kvconnect-nixl` with `cross_layer_blocks: true` and vLLM's V1 model runner
+  (`VLLM_USE_V2_MODEL_RUNNER=0`: 0.26's default V2 runner never asks for cross-layer blocks): one descriptor per
+  block for every layer instead of one per block and layer;
 - `kvconnect-nixl-board`: `transport: nixl` with the lease board on (what `kvconnect-nixl` was before the board
   was turned off in it: results/gpu/h2h-fair run11);
 - `nixl`: vLLM's NixlConnector (the decode READs);
@@ -26,14 +29,25 @@ from typing import Any
 
 from kvconnect.harness.vllm_cluster import Server, connector_json, kvconnect_config
 
-PAIRS = ("kvconnect", "kvconnect-samehost", "kvconnect-nixl", "kvconnect-nixl-board", "nixl", "push")
+PAIRS = (
+    "kvconnect",
+    "kvconnect-samehost",
+    "kvconnect-nixl",
+    "kvconnect-nixl-xl",
+    "kvconnect-nixl-board",
+    "nixl",
+    "push",
+)
 # the plug-in's kv_connector_extra_config per kvconnect pair ({}: as shipped)
 KVCONNECT_EXTRA: dict[str, dict[str, Any]] = {
     "kvconnect": {},
     "kvconnect-samehost": {},
     "kvconnect-nixl": {"transport": "nixl", "lease_board": False},
+    "kvconnect-nixl-xl": {"transport": "nixl", "lease_board": False, "cross_layer_blocks": True},
     "kvconnect-nixl-board": {"transport": "nixl"},
 }
+# environment per pair beyond UCX's (the V1 model runner: the only one of vLLM 0.26's that asks for cross-layer blocks)
+PAIR_ENV: dict[str, dict[str, str]] = {"kvconnect-nixl-xl": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
 # histograms read per request from /metrics: short name -> metric (vLLM's own, then each connector's)
 VLLM = {
     "queue_s": "vllm:request_queue_time_seconds",
@@ -46,15 +60,18 @@ NIXL = {
     "descs": "vllm:nixl_num_descriptors",
     "xfer_s": "vllm:nixl_xfer_time_seconds",
 }
+# a pull's stages on the decode (the plug-in's histograms): arrival -> pull asked -> picked up by the engine thread
+# -> READ posted -> READ done -> usable (the prefill's PIN answer back, where no lease board answers it)
+STAGES = {
+    f"{stage}_s": f"vllm:kvconnect_{stage}_seconds"
+    for stage in ("arrival_to_pull", "pull_to_pickup", "pickup_to_post", "read", "read_to_usable")
+}
 KVCONNECT = {
     "bytes": "vllm:kvconnect_bytes_transferred",
     "descs": "vllm:kvconnect_num_descriptors",
     "xfer_s": "vllm:kvconnect_xfer_time_seconds",
     "usable_s": "vllm:kvconnect_pull_time_seconds",
-    **{
-        f"{stage}_s": f"vllm:kvconnect_{stage}_seconds"
-        for stage in ("arrival_to_pull", "pull_to_pickup", "pickup_to_post", "read", "read_to_usable")
-    },
+    **STAGES,
 }
 
 
@@ -72,7 +89,7 @@ def pair_servers(name: str, args: list[str], ucx_default: bool = False, port: in
             cfg, env = connector_json(connector, role), {**ucx, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + 100 * i)}
         else:
             raise ValueError(f"unknown pair {name!r}; known: {', '.join(PAIRS)}")
-        out.append(Server(f"{name}-{side}", cfg, args=args, env=env))
+        out.append(Server(f"{name}-{side}", cfg, args=args, env={**env, **PAIR_ENV.get(name, {})}))
     return out
 
 
