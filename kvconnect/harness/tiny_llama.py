@@ -27,9 +27,10 @@ GEOMETRIES: dict[str, tuple[Any, ...]] = {
     # KV per token in bf16, 48 KiB in float32, for the least prefill work per KV byte moved
     "kv-heavy": (256, 2, 2, 24, 256),
     "tiny-swa": (256, 8, 4, 4, 512, 2048, 8192, 0, 64),  # Gemma 3 style: window of 64 tokens on layers 0 and 2
-    # the sliding-window edge (a window that is not a multiple of the block size, and one that is): Gemma 2's
-    # S F S F with a 48-token window, Gemma 3's S S F S S F with a 64-token one
+    # the sliding-window edge (windows that are and are not multiples of the block size): Gemma 2's S F S F with a
+    # 48- and a 64-token window, Gemma 3's S S F S S F with a 64-token one
     "tiny-gemma2-w48": (256, 8, 4, 4, 512, 2048, 8192, 0, 48, 0, 64, "", 0, 16, "SF", "gemma2"),
+    "tiny-gemma2-w64": (256, 8, 4, 4, 512, 2048, 8192, 0, 64, 0, 64, "", 0, 16, "SF", "gemma2"),
     "tiny-gemma3-w64": (256, 8, 4, 6, 512, 2048, 8192, 0, 64, 0, 64, "", 0, 16, "SSF"),
     # gpt-oss-120b's attention (36 layers alternating a 128-token window and full attention, 8 KV heads x 64),
     # dense and small otherwise: only the KV cache's shape matters to a transfer
