@@ -12,7 +12,7 @@ import pytest
 
 from kvconnect.core.errors import InvalidRequestError, LayoutMismatchError
 from kvconnect.core.plan.descriptors import token_span
-from kvconnect.core.plan.hetero import Path, plan_source, plan_sources
+from kvconnect.core.plan.hetero import ReadPath, plan_source, plan_sources
 from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 
 LAYERS, HEADS, HEAD_DIM = 2, 4, 32
@@ -76,7 +76,7 @@ def pulled(
     remote = spec(page, blocks[0], 48, tp[0])
     src = plan_sources(local, tp[0]).reads[0]
     plan = plan_source(local, remote, src)
-    assert plan.path is Path.DIRECT
+    assert plan.path is ReadPath.DIRECT
     r_ids = list(range(47, 47 - remote.blocks_for_tokens(num_tokens), -1))  # (scattered, descending)
     l_ids = [3 + 2 * i for i in range(local.blocks_for_tokens(num_tokens - hit))]
     mem_r, mem_l = lay_out(remote, ref, r_ids, src.heads), lay_out(local, ref[:, :, hit:] * 0, l_ids, (0, 0))

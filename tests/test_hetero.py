@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvconnect.core.cache import KVCache
 from kvconnect.core.errors import InvalidRequestError, LayoutMismatchError
-from kvconnect.core.plan.hetero import Path, plan_source, plan_sources
+from kvconnect.core.plan.hetero import ReadPath, plan_source, plan_sources
 from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 from kvconnect.core.transports.staging import scatter
 from tests.oracle import execute
@@ -86,7 +86,7 @@ def run_pair(
             remote = prefill[src.rank]
             sp = plan_source(spec, remote.spec, src, path, staging_blocks=nb_p + 1)
             paths.add(sp.path)
-            if sp.path is Path.STAGING:
+            if sp.path is ReadPath.STAGING:
                 assert sp.staging_spec is not None
                 stage = KVCache.allocate(sp.staging_spec)
                 stage_ids = list(range(nb_p + 1))[::-1][:nb_p]
@@ -176,7 +176,7 @@ def test_a_direct_pull_past_a_decode_prefix_hit_writes_only_the_rest(tps, blocks
         dst = KVCache.allocate(spec)
         for src in plan_sources(spec, tp_p).reads:
             sp = plan_source(spec, prefill[src.rank].spec, src, "direct")
-            assert sp.path is Path.DIRECT
+            assert sp.path is ReadPath.DIRECT
             execute(sp.pair, dst, prefill[src.rank], d_ids, p_ids[hit // bs_p :], n - hit, hit % bs_p)
         lo, hi = spec.head_range()
         for layer in range(LAYERS):
@@ -210,18 +210,18 @@ def test_path_choice_follows_the_cost_model() -> None:
         return plan_source(local, remote, plan_sources(local, tp_p).reads[0], path, staging_blocks=staging)
 
     hnd = choose("HND", "HND", 16, 16)
-    assert hnd.path is Path.DIRECT and hnd.pair.chunks == 1 and hnd.pair.unit_bytes == 16 * 1024
+    assert hnd.path is ReadPath.DIRECT and hnd.pair.chunks == 1 and hnd.pair.unit_bytes == 16 * 1024
     assert hnd.descs_per_block == 2 * 32  # one head slice per K/V half
     gpu = choose("HND", "HND", 16, 16, device="cuda")
-    assert gpu.path is Path.STAGING and gpu.descs_per_block == 1 and "direct 29" in gpu.reason
-    assert choose("HND", "HND", 16, 16, device="cuda", path="direct").path is Path.DIRECT  # forced
-    assert choose("HND", "HND", 16, 16, device="cuda", staging=0).path is Path.DIRECT  # staging off
-    assert choose("NHD", "NHD", 16, 16).path is Path.STAGING  # 1 KiB pieces
-    assert choose("NHD", "HND", 16, 16, tp_p=2).path is Path.STAGING  # 256 B pieces
+    assert gpu.path is ReadPath.STAGING and gpu.descs_per_block == 1 and "direct 29" in gpu.reason
+    assert choose("HND", "HND", 16, 16, device="cuda", path="direct").path is ReadPath.DIRECT  # forced
+    assert choose("HND", "HND", 16, 16, device="cuda", staging=0).path is ReadPath.DIRECT  # staging off
+    assert choose("NHD", "NHD", 16, 16).path is ReadPath.STAGING  # 1 KiB pieces
+    assert choose("NHD", "HND", 16, 16, tp_p=2).path is ReadPath.STAGING  # 256 B pieces
     tokens = choose("NHD", "NHD", 64, 16, tp_p=2)
-    assert tokens.path is Path.DIRECT and tokens.descs_per_block == 2 * 32 * 4  # 4 segments per big block
+    assert tokens.path is ReadPath.DIRECT and tokens.descs_per_block == 2 * 32 * 4  # 4 segments per big block
     same = choose("NHD", "NHD", 16, 16, tp_p=2)
-    assert same.path is Path.BLOCK and same.descs_per_block == 1  # cross_layer: one descriptor per block
+    assert same.path is ReadPath.BLOCK and same.descs_per_block == 1  # cross_layer: one descriptor per block
     assert "heads" in choose("NHD", "NHD", 16, 16).reason
 
 

@@ -61,9 +61,9 @@ def test_a_tick_looks_only_at_the_leases_with_something_due() -> None:
 
 
 def test_a_grant_over_the_cache_share_looks_only_at_the_held_leases(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Making room (table.py's module doc, "Bounded") expires the oldest held leases nobody pinned, looking at the held
-    ones only: never at every lease the table remembers, a minute's tombstones included, at each grant over the
-    bound."""
+    """Making room (the prefill package's lease rules, "Bounded") expires the oldest held leases nobody pinned,
+    looking at the held ones only: never at every lease the table remembers, a minute's tombstones included, at
+    each grant over the bound."""
     seen: list[int] = []
     room_for = Holds.room_for
 

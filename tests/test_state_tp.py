@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvconnect.core.cache import KVCache
 from kvconnect.core.errors import InvalidRequestError, LayoutError, LayoutMismatchError
-from kvconnect.core.plan.hetero import Path, plan_source, plan_sources
+from kvconnect.core.plan.hetero import ReadPath, plan_source, plan_sources
 from kvconnect.core.plan.layout import CacheSpec, LayoutKind, check_compatible
 from kvconnect.core.plan.state import StateSpec
 from tests.oracle import execute
@@ -162,7 +162,7 @@ def test_a_hybrids_pages_move_between_tp_sizes(tps, layout, groups) -> None:
         fill(want, tp_d, d, (local_attn, local_state))
         for src in plan_sources(local_spec, tp_p).reads:
             sp = plan_source(local_spec, prefill[src.rank].spec, src)
-            assert sp.path is Path.DIRECT and sp.pair.state_from, sp.describe()
+            assert sp.path is ReadPath.DIRECT and sp.pair.state_from, sp.describe()
             p = execute(
                 sp.pair, dst, prefill[src.rank], local_attn + local_state, attn_ids + state_ids, state_ids=local_state
             )
@@ -187,7 +187,7 @@ def test_state_pages_between_tp_sizes_need_both_sides_to_describe_the_state() ->
         sp.pair.plan_validated(np.array([1, 2]), np.array([3, 4]))
     # equal TP sizes: the pages are the same bytes, moved whole (no state ids needed)
     same = plan_source(page_spec(2, 0, s), page_spec(2, 0, s), plan_sources(page_spec(2, 0, s), 2).reads[0])
-    assert same.path is Path.BLOCK and not same.pair.state_from
+    assert same.path is ReadPath.BLOCK and not same.pair.state_from
 
 
 def test_state_pages_are_not_split_where_ranks_hold_copies_of_heads() -> None:

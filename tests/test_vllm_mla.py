@@ -15,7 +15,7 @@ import torch
 
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.errors import LayoutError, LayoutMismatchError
-from kvconnect.core.plan.hetero import Path, plan_source, plan_sources
+from kvconnect.core.plan.hetero import ReadPath, plan_source, plan_sources
 from kvconnect.core.plan.layout import LayoutKind
 from kvconnect.harness.prefill import PrefillProcess
 from kvconnect.harness.vllm_shapes import latent_views, packed_views
@@ -79,7 +79,7 @@ def test_latent_pages_move_block_for_block_in_one_descriptor_per_block_and_layer
     dst, dst_views, _ = latent(local_form, seed=2)
     remote_ids, local_ids = [7, 0, 11, 3], [1, 2, 9, 4]
     sp = plan_source(dst.cache.spec, src.cache.spec, plan_sources(dst.cache.spec, 1).reads[0])
-    assert sp.path is Path.BLOCK
+    assert sp.path is ReadPath.BLOCK
     p = execute(sp.pair, dst.cache, src.cache, local_ids, remote_ids)
     assert p.num_descs == 4 * (1 if (remote_form, local_form) == ("cross", "cross") else 3)
     for lid, rid in zip(local_ids, remote_ids, strict=True):
@@ -100,7 +100,7 @@ def test_with_tensor_parallelism_one_replica_is_read_and_every_other_rank_is_rel
             reads[rank] = only.rank
             released += sources.release_only
             src, _, _ = latent("4d", tp=prefill_tp, rank=only.rank)
-            assert plan_source(dst.cache.spec, src.cache.spec, only).path is Path.BLOCK
+            assert plan_source(dst.cache.spec, src.cache.spec, only).path is ReadPath.BLOCK
         touched = sorted(list(reads.values()) + released)
         assert sorted(set(touched)) == list(range(prefill_tp)), (prefill_tp, decode_tp, reads, released)
         assert len(released) == len(set(released)) and not set(released) & set(reads.values())
@@ -166,7 +166,8 @@ def test_heads_outer_kernel_blocks_pair_only_with_the_same_split_and_odd_splits_
     whole = describe(packed_views("LBHNC", 3, 4, 4, 32, 32, seed=2)[0], **args)
     assert split.cache.spec.page == "vllm:cuda/kernel-block-16"  # (two runs of heads per block: no head runs)
     assert (
-        plan_source(split.cache.spec, again.cache.spec, plan_sources(split.cache.spec, 1).reads[0]).path is Path.BLOCK
+        plan_source(split.cache.spec, again.cache.spec, plan_sources(split.cache.spec, 1).reads[0]).path
+        is ReadPath.BLOCK
     )
     with pytest.raises(LayoutMismatchError, match="page"):
         plan_source(split.cache.spec, whole.cache.spec, plan_sources(split.cache.spec, 1).reads[0])

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.errors import LayoutError, LayoutMismatchError
-from kvconnect.core.plan.hetero import Path, plan_source, plan_sources
+from kvconnect.core.plan.hetero import ReadPath, plan_source, plan_sources
 from kvconnect.core.plan.layout import LayoutKind
 from kvconnect.harness.prefill import PrefillProcess
 from kvconnect.harness.vllm_shapes import packed_views, split_views
@@ -163,7 +163,7 @@ def test_pages_move_block_for_block_between_compact_layouts(remote_order: str, l
     remote_ids = data.draw(st.permutations(range(12)))[:n]
     local_ids = data.draw(st.permutations(range(12)))[:n]
     sp = plan_source(dst.cache.spec, src.cache.spec, plan_sources(dst.cache.spec, 1).reads[0])
-    assert sp.path is Path.BLOCK
+    assert sp.path is ReadPath.BLOCK
     p = execute(sp.pair, dst.cache, src.cache, local_ids, remote_ids)
     assert p.num_descs == n * (1 if (remote_order, local_order) == ("BLHNC", "BLHNC") else 3)
     for lid, rid in zip(local_ids, remote_ids, strict=True):
@@ -180,7 +180,7 @@ def test_tensor_parallel_pairs_move_runs_of_heads() -> None:
     for rank, (half, half_views, _) in enumerate(halves):  # 1 -> 2
         (src,) = plan_sources(half.cache.spec, 1).reads
         sp = plan_source(half.cache.spec, one.cache.spec, src)
-        assert sp.path is Path.DIRECT and sp.descs_per_block == 3
+        assert sp.path is ReadPath.DIRECT and sp.descs_per_block == 3
         execute(sp.pair, half.cache, one.cache, [0, 1, 2], ids)
         for name in one.layer_names:
             for lid, rid in enumerate(ids):

@@ -43,7 +43,7 @@ from kvconnect.core.errors import (
     TransferError,
 )
 from kvconnect.core.plan.groups import GroupedBlocks
-from kvconnect.core.plan.hetero import Path
+from kvconnect.core.plan.hetero import ReadPath
 from kvconnect.core.wire import lease_client
 from kvconnect.core.wire import protocol as p
 
@@ -248,7 +248,7 @@ class LeaseConfirmation:
         """Why the blocks this pull wrote are not the prefill's ("" when they are, or are not checked)."""
         if not self._config.kv_digest or peer is None or peer.plan is None or peer.info is None:
             return ""
-        whole = peer.plan.path is Path.BLOCK and peer.plan.pair.block_for_block
+        whole = peer.plan.path is ReadPath.BLOCK and peer.plan.pair.block_for_block
         if not applies(self._cache.spec, peer.info.spec, whole, pull.group is None):
             return ""  # (blocks reassembled from pieces or several sources: not checked)
         if not pull.remote_digest:

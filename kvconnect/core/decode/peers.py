@@ -23,7 +23,7 @@ from kvconnect.core.config import ConnectorConfig
 from kvconnect.core.decode.pull import PullPhase
 from kvconnect.core.errors import CapacityError, HandshakeError, InvalidRequestError, LayoutMismatchError
 from kvconnect.core.plan.descriptors import token_span
-from kvconnect.core.plan.hetero import Path, Source, SourcePlan, Sources, plan_source, plan_sources
+from kvconnect.core.plan.hetero import ReadPath, Source, SourcePlan, Sources, plan_source, plan_sources
 from kvconnect.core.plan.signing import Keyring
 from kvconnect.core.transports.base import Link, Move
 from kvconnect.core.transports.registry import Transports
@@ -253,15 +253,15 @@ class PeerSet:
         plan, link, info = peer.plan, peer.link, peer.info
         assert plan is not None and link is not None and info is not None
         if pull.skip_tokens:
-            self._skip(pull, info.spec.block_size, plan.path is Path.DIRECT and not plan.pair.block_for_block)
-        by_block = plan.path is Path.BLOCK or plan.pair.state_from  # (state pages split by TP: block for block)
+            self._skip(pull, info.spec.block_size, plan.path is ReadPath.DIRECT and not plan.pair.block_for_block)
+        by_block = plan.path is ReadPath.BLOCK or plan.pair.state_from  # (state pages split by TP: block for block)
         if len(pull.group_sizes) > 1 and not (by_block and plan.pair.block_for_block):
             raise InvalidRequestError(
                 "kv_transfer_params.remote_group_sizes",
                 f"a hybrid model's blocks (KV cache groups {list(pull.group_sizes)}) move only between caches "
                 f"with the same block size (local {self._cache.spec.block_size}, remote {info.spec.block_size})",
             )
-        if not plan.pair.block_for_block or plan.path is Path.STAGING:
+        if not plan.pair.block_for_block or plan.path is ReadPath.STAGING:
             pull.num_tokens = token_span(
                 len(pull.local_block_ids),
                 self._cache.spec.block_size,

@@ -8,7 +8,7 @@ Two decisions, both made once per peer at handshake time:
    decode rank reads one copy, spread by rank, and copies nobody reads are released by one named decode
    rank so every prefill rank frees its blocks. A prefill rank read by several decode ranks counts them
    (`readers`) and frees its blocks after the last.
-2. *Path* (`plan_source`), per source:
+2. *Read path* (`ReadPath`, chosen by `plan_source`), per source:
    - `block`: the blocks are the same bytes on both sides; whole units, as for equal specs.
    - `direct`: NIXL places the pieces of each token segment straight into the decode cache with CHUNK
      descriptors (one piece per segment and K/V half where HND keeps a head slice contiguous, or NHD a
@@ -49,7 +49,7 @@ from kvconnect.core.plan.layout import (
 PATHS = ("auto", "direct", "staging")  # ConnectorConfig.hetero_path
 
 
-class Path(str, enum.Enum):
+class ReadPath(str, enum.Enum):
     BLOCK = "block"
     DIRECT = "direct"
     STAGING = "staging"
@@ -104,14 +104,14 @@ class SourcePlan:
     """How one source is pulled; `pair` is local<-remote (block, direct) or staging<-remote (staging)."""
 
     source: Source
-    path: Path
+    path: ReadPath
     pair: PairPlan
     reason: str  # why this path, for logs and the pull stats
 
     @property
     def staging_spec(self) -> CacheSpec | None:
         """The staging cache's spec (the local side of `pair`) on the staging path."""
-        return self.pair.local_spec if self.path is Path.STAGING else None
+        return self.pair.local_spec if self.path is ReadPath.STAGING else None
 
     @property
     def descs_per_block(self) -> int:
@@ -282,9 +282,9 @@ def staging_spec(remote: CacheSpec, num_blocks: int, device: str) -> CacheSpec:
 @dataclass(frozen=True)
 class CostModel:
     """Rough time of moving one remote block: descriptors x a fixed cost each, bytes over the link, and bytes
-    through the device scatter. Defaults are our measurements with NIXL 1.5 / UCX (results/): ~4.6 us per
-    descriptor on both DRAM and VRAM; H200 NVLink ~350 GB/s and a GPU scatter ~140 GB/s; DRAM over cma
-    ~6 GB/s and a CPU scatter ~2.5 GB/s."""
+    through the device scatter. The defaults below come from measurements with NIXL 1.5 / UCX, per device kind
+    (results/gpu/h200-pair/ and results/cpu/ladder/: per-descriptor cost, link and scatter rates); the choice
+    they feed (direct or staging) needs only their order of magnitude."""
 
     desc_s: float
     link_bps: float
@@ -334,24 +334,24 @@ def plan_source(
                 f"{name} rank {spec.tp_rank}/{spec.tp_size} holds heads {have}, not the [{lo},{hi}) this pull needs",
             )
     if same_block_shape(local, remote):
-        return SourcePlan(source, Path.BLOCK, PairPlan.build(local, remote), "same blocks")
+        return SourcePlan(source, ReadPath.BLOCK, PairPlan.build(local, remote), "same blocks")
     why = _why(local, remote, source.heads)
     if (
         local.page
         and local.block_size != remote.block_size
         and not (holds_state(local.page) or holds_state(remote.page))
     ):
-        return SourcePlan(source, Path.DIRECT, page_pair(local, remote, source.heads), why + " (engine pages)")
+        return SourcePlan(source, ReadPath.DIRECT, page_pair(local, remote, source.heads), why + " (engine pages)")
     if local.page and (local.state is not None or remote.state is not None):
-        return SourcePlan(source, Path.DIRECT, state_pair(local, remote, source.heads), why + " (state pages)")
+        return SourcePlan(source, ReadPath.DIRECT, state_pair(local, remote, source.heads), why + " (state pages)")
     if local.page:
-        return SourcePlan(source, Path.DIRECT, head_run_pair(local, remote, source.heads), why + " (engine pages)")
+        return SourcePlan(source, ReadPath.DIRECT, head_run_pair(local, remote, source.heads), why + " (engine pages)")
     direct = chunked_pair(local, remote, source.heads)
     if path == "direct":
-        return SourcePlan(source, Path.DIRECT, direct, why + " (forced)")
+        return SourcePlan(source, ReadPath.DIRECT, direct, why + " (forced)")
     if staging_blocks < 1:
         if path == "auto" and direct.chunks == 1:
-            return SourcePlan(source, Path.DIRECT, direct, why + " (contiguous; staging off)")
+            return SourcePlan(source, ReadPath.DIRECT, direct, why + " (contiguous; staging off)")
         raise LayoutMismatchError(
             {"token_layout": (local.token_layout, remote.token_layout)},
             f"{why} needs the staging path ({direct.chunks} pieces per segment otherwise) and staging is disabled",
@@ -366,6 +366,6 @@ def plan_source(
         f"{direct.unit_bytes} B), staging {t_staging * 1e6:.0f} us"
     )
     if path == "auto" and t_direct <= t_staging:
-        return SourcePlan(source, Path.DIRECT, direct, f"{why}; {costs}")
+        return SourcePlan(source, ReadPath.DIRECT, direct, f"{why}; {costs}")
     forced = " (forced)" if path == "staging" else ""
-    return SourcePlan(source, Path.STAGING, staged, f"{why}; {costs}{forced}")
+    return SourcePlan(source, ReadPath.STAGING, staged, f"{why}; {costs}{forced}")

@@ -1,40 +1,5 @@
-"""Prefill-side lease table (sans-I/O, injected clock): a finished request's blocks held for the decode that will
-read them. The rules:
-
-- **Keys.** A lease is keyed by a random lease id (`new_lease_id`); the request's own id is only its label
-  (logs, callbacks), so knowing it gives nothing.
-- **One end.** A lease ends exactly once: COMPLETED (its reader's notification or confirmation arrived while
-  held), RELEASED, or EXPIRED (TTL). Each end calls `on_free(lease, freed_block_ids)`; ended leases stay as
-  tombstones for a while, so a late confirmation learns whether its read was under the lease.
-- **Shared blocks.** Several live leases may hold one block (prefix caching): the table counts holders, and an
-  end hands back only the blocks no other lease holds (`holds.py`).
-- **Read tokens.** Every reader speaks with a random token of its own; the first token a reader slot uses
-  (PIN, notification or CONFIRM) claims it. Any other token is answered CONSUMED, so params replayed to a
-  second decode never pass as read under the lease.
-- **Bound to blocks.** A reader names the blocks it read; `blocks_problem` (`checks.py`) refuses any the lease
-  does not hold (a suffix of the leased ids is fine: a decode's own prefix-cache hit reads fewer; for a hybrid
-  model's lease, a suffix of each KV cache group), and a refusal leaves the lease as it was.
-- **Bound to a prompt.** A lease granted with a prompt digest (`params.prompt_digest`) answers a PIN, CONFIRM
-  or notification only when it names the same digest: a client cannot have one prompt decoded from another
-  prompt's KV (nor cache it under the other prompt's hashes). A lease granted without one is unbound.
-- **Pins.** A reader may pin a held lease before its read ends: until the pin ends (complete, release, or its
-  own deadline) the blocks are not handed back, whatever ends the lease meanwhile; that end takes effect when
-  the last pin goes.
-- **Renewals.** A decode whose request waits in its queue renews the lease (`renew`): held another TTL from
-  now, never past `max_s` from its grant, so a dead decode's leases still end one TTL after its last renewal,
-  and no lease is held forever. A renewal claims no reader slot and reads nothing; one that comes after the
-  TTL ran out (before a tick ended the lease) ends it instead of reviving it.
-- **Bounded.** Leases hold at most `max_blocks` blocks at once (`lease_cache_share` of the cache): a grant
-  beyond it expires unpinned leases idle `share_min_idle_s` or longer, least recently granted or renewed first
-  (`Holds.room_for`: a younger lease is most likely on its way to its decode). A grant is never refused; pinned
-  or younger leases stay, so those and the grant may go over the bound.
-- **Work by what is due.** `expire` runs at every connector tick, the engine's included: it looks only at
-  leases with something due (a TTL, a pin's deadline, a tombstone to forget: `due.py`), never at the minute's
-  tombstones.
-- **Early releases.** With a grace (`grace_s`: engines that grant a little after their params left), a RELEASE
-  of a lease not granted yet is remembered that long, and the grant it precedes ends at once, RELEASED, if the
-  release named a suffix of its blocks (`early.py`).
-"""
+"""The lease table (sans-I/O, injected clock): a finished request's blocks held for the decode that will read them,
+by the rules of the prefill half (the package docstring, `kvconnect.core.prefill`)."""
 
 from __future__ import annotations
 
@@ -67,7 +32,7 @@ class LeaseTable:
         max_s: float | None = None,
         share_min_idle_s: float = 0.0,
     ) -> None:
-        """`max_blocks`, `share_min_idle_s`: the bound on what leases hold at once (module docstring, "Bounded").
+        """`max_blocks`, `share_min_idle_s`: the bound on what leases hold at once (the rules, "Bounded").
         `max_s`: the longest renewals may hold a lease from its grant (default: the TTL, i.e. renewals add nothing).
         `on_state(lease)`: a grant, and an end before any block goes back (the same-host lease board,
         board.py), under the table's lock."""
@@ -190,8 +155,8 @@ class LeaseTable:
         return lease
 
     def pin(self, lease_id: str, reader: int, pin_s: float, token: bytes = b"") -> LeaseState:
-        """Keep a held lease's blocks for `reader` (speaking with `token`) for up to `pin_s` (see the module
-        doc). Returns HELD when pinned, COMPLETED when this reader's own notification already completed it,
+        """Keep a held lease's blocks for `reader` (speaking with `token`) for up to `pin_s` (see the rules,
+        "Pins"). Returns HELD when pinned, COMPLETED when this reader's own notification already completed it,
         else the state that forbids the read (CONSUMED: another reader's lease)."""
         with self._lock:
             lease = self._leases.get(lease_id)
@@ -210,7 +175,7 @@ class LeaseTable:
 
     def renew(self, lease_id: str) -> tuple[LeaseState, float]:
         """A decode still waits to read `lease_id`: hold it until a TTL from now, but never past `max_s` from its
-        grant (module doc, "Renewals"). Returns its state and, while HELD, how long from now it is held."""
+        grant (the rules, "Renewals"). Returns its state and, while HELD, how long from now it is held."""
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None:
@@ -290,7 +255,7 @@ class LeaseTable:
     ) -> LeaseState:
         """Give the blocks back now without a completed read (`reader`, when it is one and `token` is its own,
         also drops its pin). A release naming `block_ids` of a lease not granted yet is remembered for the
-        grace (module doc)."""
+        grace (the rules, "Early releases")."""
         with self._lock:
             if lease_id not in self._leases and block_ids is not None and self.grace_s > 0:
                 self._early.remember(lease_id, block_ids, self._clock() + self.grace_s)
@@ -302,7 +267,7 @@ class LeaseTable:
 
     def expire(self) -> list[Lease]:
         """End every lease past its TTL and forget old tombstones; returns the leases that expired. Looks only at
-        the leases with something due (module doc, "Work by what is due")."""
+        the leases with something due (the rules, "Work by what is due")."""
         now = self._clock()
         expired: list[Lease] = []
         unpinned: list[tuple[Lease, list[int], Callable[[list[int]], None] | None]] = []

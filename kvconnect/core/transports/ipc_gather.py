@@ -1,13 +1,12 @@
 """Same-host GPU fast path: map the peer's cache with CUDA IPC and gather blocks with one kernel.
 
-NIXL/UCX pays a roughly constant cost per descriptor (~5-7 us, flat up to ~1 MiB, measured on an H200
-pair), so even one descriptor per block leaves a large share of NVLink idle: 64 KiB descriptors reach
-~9 GB/s, 2 MiB ones ~200 GB/s, against ~390 GB/s for a peer copy. When prefill and decode GPUs sit in
-one host, the decode
-worker can instead map the prefill worker's registered regions (CUDA IPC, driver API through ctypes)
-and copy every (unit, block) of a request with a single Triton kernel that reads the peer's memory
-directly: no per-descriptor software cost at all. The lease protocol is unchanged: the kernel runs only
-while the lease is held, and the pull is usable only after the prefill side confirms it.
+NIXL/UCX pays a fixed software cost per descriptor, flat over a wide range of sizes, so even one descriptor per
+block leaves much of an NVLink link idle at the block sizes vLLM uses (the ladder and its per-descriptor cost:
+results/gpu/h200-pair/, results/gpu/descriptors-h100/). When prefill and decode GPUs sit in one host, the decode
+worker instead maps the prefill worker's registered regions (CUDA IPC, driver API through ctypes) and copies every
+(unit, block) of a request with a single Triton kernel that reads the peer's memory directly: no per-descriptor
+software cost. The lease protocol is unchanged: the kernel runs only while the lease is held, and the pull is
+usable only after the prefill side confirms it.
 
 Nothing here runs at import time; torch and triton are imported on first use.
 """
@@ -25,7 +24,7 @@ from kvconnect.core.agent import NixlAgent, XferState
 from kvconnect.core.board import boot_id
 from kvconnect.core.errors import InvalidRequestError
 from kvconnect.core.plan.descriptors import PairPlan, PullPlan
-from kvconnect.core.plan.hetero import Path, SourcePlan
+from kvconnect.core.plan.hetero import ReadPath, SourcePlan
 from kvconnect.core.transports.base import Link, Move, Transport, TransportKind
 from kvconnect.core.transports.cuda_driver import GraphSlots, MappedPeer, PeerCopyError, export_region
 
@@ -334,7 +333,7 @@ class IpcTransport(Transport):
             raise PeerCopyError("not offered by the peer")
         if info.spec.device != "cuda":
             raise PeerCopyError("the peer's cache is not on a GPU")
-        if plan.path is not Path.BLOCK:
+        if plan.path is not ReadPath.BLOCK:
             raise PeerCopyError(f"the gather moves whole blocks, this pair needs the {plan.path.value} path")
         try:
             decoded = _offer_decoder.decode(offer)
