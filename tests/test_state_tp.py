@@ -5,6 +5,8 @@ nothing written twice or outside what the rank holds."""
 
 from __future__ import annotations
 
+import types
+
 import msgspec
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ from kvconnect.core.errors import InvalidRequestError, LayoutError, LayoutMismat
 from kvconnect.core.plan.hetero import ReadPath, plan_source, plan_sources
 from kvconnect.core.plan.layout import CacheSpec, LayoutKind, check_compatible
 from kvconnect.core.plan.state import StateSpec
+from kvconnect.vllm import groups as groups_mod
 from tests.oracle import execute
 
 TP_PAIRS = [(1, 2), (2, 1), (1, 4), (4, 1), (2, 4), (4, 2)]  # (prefill, decode)
@@ -199,3 +202,35 @@ def test_state_pages_are_not_split_where_ranks_hold_copies_of_heads() -> None:
     src = plan_sources(local, 8).reads[0]
     with pytest.raises(LayoutMismatchError, match="more ranks than its 4 KV heads"):
         plan_source(local, replicated, src)
+
+
+class MambaSpec:  # (named as vLLM's: the plug-in reads a group's kind from its class names)
+    def __init__(self, shapes: tuple, itemsize: int = 4) -> None:
+        self.shapes = shapes
+        self.dtypes = (types.SimpleNamespace(itemsize=itemsize),) * 2
+        self.mamba_type = types.SimpleNamespace(name="MAMBA2")
+
+
+def vllm_state(tp: int, groups: int, heads: int = 8, head_dim: int = 4, size: int = 16, dim: int | None = None):
+    """vLLM's per-rank Mamba2 shapes (conv SD: (conv_len, conv_dim); SSM (heads, head_dim, state size)) as a
+    KVCacheConfig with one state group, and the model's config."""
+    per_rank = groups // tp if groups % tp == 0 else 1
+    conv_dim = dim if dim is not None else heads * head_dim // tp + 2 * per_rank * size
+    spec = MambaSpec(((3, conv_dim), (heads // tp, head_dim, size)))
+    config = types.SimpleNamespace(kv_cache_groups=[types.SimpleNamespace(kv_cache_spec=spec)])
+    return config, types.SimpleNamespace(n_groups=groups)
+
+
+def test_the_plugin_describes_one_state_for_every_tp_size_and_refuses_a_split_it_does_not_know() -> None:
+    for groups in (1, 2, 4):
+        specs = {
+            tp: groups_mod.state_spec(*vllm_state(tp, groups), tp)
+            for tp in (1, 2, 4)
+            if groups % tp == 0 or groups == 1
+        }
+        assert None not in specs.values() and len(set(specs.values())) == 1, (groups, specs)
+        (spec,) = set(specs.values())
+        assert (spec.channels, spec.groups, spec.heads, spec.conv_len) == (32, groups, 8, 3)
+    assert groups_mod.state_spec(*vllm_state(2, 3), 2) is None  # (3 groups over 2 ranks: not vLLM's split)
+    assert groups_mod.state_spec(*vllm_state(2, 2, dim=50), 2) is None  # (a conv width of another split)
+    assert groups_mod.state_spec(vllm_state(1, 2)[0], types.SimpleNamespace(), 1) is None  # (no group count)

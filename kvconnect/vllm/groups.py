@@ -140,17 +140,13 @@ def state_spec(kv_cache_config: Any, hf_config: Any, tp_size: int) -> StateSpec 
     conv_len = min(conv_a, conv_b)
     layout = "SD" if conv_a == conv_len and conv_b != conv_len else "DS"
     dim = conv_b if layout == "SD" else conv_a
-    channels = heads * head_dim * tp_size
-    per_rank = groups // tp_size if groups % tp_size == 0 else 1  # (one group: replicated on every rank)
-    if (groups % tp_size and groups != 1) or dim != channels // tp_size + 2 * per_rank * size:
-        return None  # (not vLLM's Mamba2 split as state.py knows it)
     itemsizes = [_itemsize(d) for d in first.dtypes]
     try:
-        return StateSpec(
+        spec = StateSpec(
             "mamba2",
             layout,
             conv_len,
-            channels,
+            heads * head_dim * tp_size,
             groups,
             size,
             heads * tp_size,
@@ -159,6 +155,9 @@ def state_spec(kv_cache_config: Any, hf_config: Any, tp_size: int) -> StateSpec 
         )
     except LayoutError:
         return None
+    if spec.tp_problem(tp_size) or spec.conv_dim(tp_size) != dim:
+        return None  # (not vLLM's Mamba2 split as state.py knows it)
+    return spec
 
 
 def _itemsize(dtype: Any) -> int:
