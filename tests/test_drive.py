@@ -5,8 +5,11 @@ loop thread is held (`FaultHooks.hold_loop`) so that only the driving thread can
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import threading
 import time
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +18,7 @@ import pytest
 from kvconnect.core.cache import KVCache
 from kvconnect.core.connector import KVConnector
 from kvconnect.core.faults import FaultHooks
+from kvconnect.core.loop import Loop
 from kvconnect.core.plan.layout import CacheSpec, LayoutKind
 from kvconnect.harness.net import poll_until
 from kvconnect.harness.prefill import PrefillProcess
@@ -137,6 +141,47 @@ def test_work_queued_by_a_caller_about_to_drive_does_not_wake_the_loop_thread() 
         poll_until(lambda: ran or dec.drive() and False, what="the queued work ran")
 
 
+def test_a_caller_about_to_drive_never_wakes_the_loop_thread_however_long_queueing_takes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a starved host more than `DRIVEN_S` may pass between a driver's call marking itself as driving and
+    checking that mark; it woke the loop thread then (a CI flake of the worker test below). Here every reading
+    of the loop's clock is a second later than the one before."""
+    import kvconnect.core.loop as loop_module
+
+    ran: list[str] = []
+    config = config_for_tests(poll_interval_s=30.0)
+    with KVConnector(KVCache.allocate(SPEC), config) as dec:
+        dec.wait_idle()
+        poll_until(lambda: not dec._loop.lock.locked(), what="the loop thread's tick ended")
+        wakeups = dec._loop.wakeups
+        ticks = iter(range(10**9))
+        slow = types.SimpleNamespace(monotonic=lambda: time.monotonic() + next(ticks), sleep=time.sleep)
+        monkeypatch.setattr(loop_module, "time", slow)
+        dec._loop.call(lambda: ran.append("ran"), driver=True)
+        monkeypatch.undo()
+        assert dec._loop.wakeups == wakeups
+        poll_until(lambda: ran or dec.drive() and False, what="the queued work ran")
+
+
+def parked_at_the_gate(loop: Loop) -> None:
+    """Wake the loop thread and wait until it blocks on the held gate: until then it may be between ticks holding
+    the connector's lock (its quiet check), and a driver's `call` would then wake it (the drive could not run)."""
+    import inspect
+
+    gate_line = (
+        next(i for i, line in enumerate(inspect.getsourcelines(Loop._run)[0]) if "with self._gate, self.lock" in line)
+        + inspect.getsourcelines(Loop._run)[1]
+    )
+
+    def parked() -> bool:
+        frame = sys._current_frames().get(loop._thread.ident or -1)
+        return frame is not None and frame.f_code is Loop._run.__code__ and frame.f_lineno == gate_line
+
+    os.write(loop._wake_w, b"\0")
+    poll_until(parked, what="the loop thread blocked on the held gate")
+
+
 def test_the_vllm_worker_side_drives_its_pulls_from_the_engine_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     """The plug-in's worker drives the connector in `on_orders` and `results`: with the loop thread held, a
     load still finishes through vLLM's own step calls alone. Its stats count from the worker's request: the
@@ -166,6 +211,7 @@ def test_the_vllm_worker_side_drives_its_pulls_from_the_engine_thread(monkeypatc
         assert conn is not None
         try:
             with conn.faults.hold_loop():
+                parked_at_the_gate(conn._loop)
                 wakeups = conn._loop.wakeups
                 worker.bind_connector_metadata(
                     StepOrders(pulls=[PullOrder("worker-driven", params, [[4, 1]], 64, 0)], idle=True)

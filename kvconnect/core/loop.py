@@ -89,10 +89,12 @@ class Loop:
         caller holds (up to the interpreter's 5 ms switch interval while an engine runs Python)."""
         if self._stop.is_set():
             raise KVConnectError("connector is closed")
-        if driver and not self.lock.locked() and self._on_cache_device():  # (a tick running now would make the
-            self._driven_until = time.monotonic() + DRIVEN_S  # caller's drive fail: then the loop thread runs it)
+        # (a tick running now would make the caller's drive fail: then the loop thread runs it)
+        driving = driver and not self.lock.locked() and self._on_cache_device()
+        if driving:
+            self._driven_until = time.monotonic() + DRIVEN_S
         self._inbox.put(fn)
-        if time.monotonic() < self._driven_until:
+        if driving or time.monotonic() < self._driven_until:
             return  # the driving thread runs it at its next `drive` (the loop thread at its next tick)
         self.wakeups += 1
         try:
