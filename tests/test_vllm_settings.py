@@ -238,6 +238,30 @@ def test_the_plugin_asks_vllm_for_heads_outermost_pages_unless_told_or_mla() -> 
     assert read_settings(Cfg({"kv_cache_layout": "vllm"})).config.lease_ttl_s == 60  # (a key of the plug-in's)
 
 
+def test_cross_layer_blocks_take_vllms_own_layout_and_refuse_heads_outermost_by_name() -> None:
+    """vLLM 0.26 allocates the one cross-layer tensor asked for HND as (blocks, heads, layers, tokens, K+V): every
+    layer's page split by heads, which the plug-in refuses at registration (one H100, results/gpu/nixl-path-h100/stages:
+    the `kvconnect-nixl-xl` pair stopped at start-up). With cross_layer_blocks the plug-in asks for vLLM's own
+    layout, (blocks, layers, tokens, heads, K+V); asked for both, it stops at once naming both keys."""
+    from kvconnect.vllm import KVConnectConnector
+
+    class Full(Cfg):
+        def __init__(self, extra: dict[str, Any]) -> None:
+            super().__init__(extra)
+            self.model_config = type("M", (), {"use_mla": False})()
+
+    assert KVConnectConnector.get_required_kvcache_layout(Full({"cross_layer_blocks": True})) is None
+    assert KVConnectConnector.get_required_kvcache_layout(Full({"cross_layer_blocks": "false"})) == "HND"
+    assert read_settings(Cfg({"cross_layer_blocks": True})).cross_layer_blocks
+    both = {"cross_layer_blocks": True, "kv_cache_layout": "HND"}
+    with pytest.raises(ConfigError, match="cross_layer_blocks with kv_cache_layout HND"):
+        KVConnectConnector.get_required_kvcache_layout(Full(both))
+    with pytest.raises(ConfigError, match="cross_layer_blocks with kv_cache_layout HND"):
+        read_settings(Cfg(both))
+    with pytest.raises(ConfigError, match="cross_layer_blocks must be true or false"):
+        read_settings(Cfg({"cross_layer_blocks": "maybe"}))
+
+
 def test_the_entry_point_registers_the_connector_by_name_once() -> None:
     from importlib.metadata import entry_points
 

@@ -13,8 +13,8 @@ appends `_dp<rank>` to its engine id) and its TP group's base is `side_channel_p
 Plug-in keys (not `ConnectorConfig` fields): `cross_layer_blocks` (vLLM 0.26: one tensor for every layer)
 and `kv_cache_layout`: "HND" (default) asks vLLM for pages with heads outermost, so that a prefill and a
 decode of different TP sizes exchange runs of whole heads, or "vllm" to keep the attention backend's choice
-(then only equal TP sizes pair on the GPU). NixlConnector's keys and variables are read as `nixl_compat.py`
-says.
+(then only equal TP sizes pair on the GPU; the default with `cross_layer_blocks`, `required_layout`).
+NixlConnector's keys and variables are read as `nixl_compat.py` says.
 
 `lease_grace_s` defaults to `LEASE_GRACE_S` here (not 0): the scheduler returns a request's params before
 its workers grant the lease (they do so when the next step's orders are bound, which can be a forward
@@ -54,13 +54,31 @@ class VllmSettings(msgspec.Struct, frozen=True):
     cross_layer_blocks: bool = False
 
 
+def _cross_layer(extra: Mapping[str, Any]) -> bool:
+    """The `cross_layer_blocks` key's value (ConfigError unless a boolean or its spelling)."""
+    cross = extra.get(PLUGIN_ONLY[0], False)
+    if not isinstance(cross, bool) and str(cross).lower() not in ("true", "false", "1", "0"):
+        raise ConfigError(f"kv_connector_extra_config.{PLUGIN_ONLY[0]} must be true or false, got {cross!r}")
+    return cross is True or str(cross).lower() in ("true", "1")
+
+
 def required_layout(vllm_config: Any) -> str | None:
-    """The KV cache layout the plug-in asks vLLM for: "HND" unless `kv_cache_layout` is "vllm" (None)."""
+    """The KV cache layout the plug-in asks vLLM for: "HND" unless `kv_cache_layout` is "vllm" (None), or
+    `cross_layer_blocks` is set: then vLLM's own (None). vLLM 0.26 allocates a cross-layer tensor asked for HND
+    with a block's heads outside its layers (B, H, L, N, C), which no page format here describes, while its own
+    order keeps each layer's page whole (B, L, N, H, C); asking for both is refused by name."""
     kvt = getattr(vllm_config, "kv_transfer_config", None)
     extra = dict(getattr(kvt, "kv_connector_extra_config", None) or {})
-    layout = extra.get("kv_cache_layout", "HND")
+    cross = _cross_layer(extra)
+    layout = extra.get("kv_cache_layout", "vllm" if cross else "HND")
     if layout not in LAYOUTS:
         raise ConfigError(f"kv_connector_extra_config.kv_cache_layout must be one of {list(LAYOUTS)}, got {layout!r}")
+    if cross and layout == "HND":
+        raise ConfigError(
+            "kv_connector_extra_config: cross_layer_blocks with kv_cache_layout HND: vLLM then puts a block's "
+            "heads outside its layers, a page format kvconnect does not read; leave kv_cache_layout unset (vLLM's "
+            "own layout; a decode of another TP size then pairs only on CPU) or turn cross_layer_blocks off"
+        )
     return None if layout == "vllm" else layout
 
 
@@ -68,10 +86,9 @@ def read_settings(vllm_config: Any, environ: Mapping[str, str] | None = None) ->
     """Settings of the engine `vllm_config` describes; ConfigError names a bad key or value."""
     kvt = vllm_config.kv_transfer_config
     extra, notes = translate_keys(kvt.kv_connector_extra_config or {})
-    cross = extra.pop(PLUGIN_ONLY[0], False)
-    if not isinstance(cross, bool) and str(cross).lower() not in ("true", "false", "1", "0"):
-        raise ConfigError(f"kv_connector_extra_config.{PLUGIN_ONLY[0]} must be true or false, got {cross!r}")
-    required_layout(vllm_config)  # (checks the value)
+    crossed = _cross_layer(extra)
+    required_layout(vllm_config)  # (checks the value, and that it goes with cross_layer_blocks)
+    extra.pop(PLUGIN_ONLY[0], None)
     extra.pop(PLUGIN_ONLY[1], None)
     fields = set(ConnectorConfig.__struct_fields__)
     unknown = sorted(set(extra) - fields)
@@ -109,7 +126,6 @@ def read_settings(vllm_config: Any, environ: Mapping[str, str] | None = None) ->
         )
     if config.side_channel_port and config.side_channel_port + tp_size > 65536:
         raise ConfigError(f"side_channel_port {config.side_channel_port} + {tp_size} ranks leaves the port range")
-    crossed = cross is True or str(cross).lower() in ("true", "1")
     return VllmSettings(config, tp_size, int(vllm_config.cache_config.block_size), str(kvt.kv_role), crossed)
 
 
