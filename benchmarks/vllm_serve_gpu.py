@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvconnect.bench.gpu_pd import STAGES, moves_by_nixl, pair_servers
+from kvconnect.bench.gpu_pd import CELL_SERIES, moves_by_nixl, pair_servers, transfer_side
 from kvconnect.bench.serve_client import ServeClient
 from kvconnect.bench.serve_table import aligned, points, spread
 from kvconnect.bench.vllm_pd import scrape_sums
@@ -162,7 +162,9 @@ def measure(args: argparse.Namespace) -> None:
     ) as c:
         ucx = {s.name: {k: v for k, v in sorted(c.base_env(s).items()) if k.startswith("UCX_")} for s in servers}
         targets = {"plain": c.urls["plain"]}
-        decodes = {name: c.urls[f"{name}-decode"] for name in names if name.startswith("kvconnect")}
+        decodes = {  # (push reports on its prefill, with no per-pull series: not read)
+            name: c.urls[f"{name}-{transfer_side(name)[0]}"] for name in names if transfer_side(name)[0] == "decode"
+        }
         for name in names:
             targets[name] = c.add_proxy(f"{name}-proxy", f"{name}-prefill", [f"{name}-decode"])
         c.wait_healthy([f"{name}-proxy" for name in names])
@@ -191,8 +193,9 @@ def measure_run(
     meta: dict[str, Any],
 ) -> None:
     """Run k: every cell, the targets in an order shuffled per cell with `seed`; writes run<k>/. For kvconnect's
-    pairs (`decodes`: target -> its decode server) each row adds the mean of each stage of a pull over the cell
-    (`stages_ms`, from the decode's histograms before and after it, and `pulls`: how many it counted)."""
+    pairs and NixlConnector's (`decodes`: target -> its decode server) each row adds the mean per pull over the cell
+    of the decode's series (`stages_ms`: kvconnect's stages, post and descriptors, NixlConnector's transfer time
+    and descriptors, from its histograms before and after the cell; `pulls`: how many it counted)."""
     run_dir = args.out / f"run{k}"
     (run_dir / "runs").mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -212,13 +215,14 @@ def measure_run(
         for target in order:
             t1 = time.monotonic()
             out = run_dir / "runs" / f"{target}-{label}.json"
-            before = scrape_sums(decodes[target], STAGES) if target in decodes else None
+            series = CELL_SERIES["kvconnect" if target.startswith("kvconnect") else "nixl"]
+            before = scrape_sums(decodes[target], series) if target in decodes else None
             r = client.bench(client_argv(targets[target], model, args, out, rate, cap), out)
             row: dict[str, Any] = {"run_index": k, "target": target, "run": label, "rate": None if cap else rate}
             row.update(concurrency=cap, arrival_rate=rate, order_seed=seed)
             row.update({m: r.get(m) for m in ("completed", "failed", *METRICS)})
             if before is not None:
-                row.update(stage_means(before, scrape_sums(decodes[target], STAGES)))
+                row.update(stage_means(before, scrape_sums(decodes[target], series)))
             rows.append(row)
             print(json.dumps(row), f"({time.monotonic() - t1:.0f} s)", flush=True)
             (run_dir / "rows.json").write_text(json.dumps(rows, indent=1))  # (as it goes: a cut run keeps it)
@@ -226,12 +230,15 @@ def measure_run(
 
 
 def stage_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, Any]:
-    """Each stage's mean over the pulls counted between two scrapes (ms), and how many pulls the last stage counted."""
+    """Each series' mean per pull over the cell, from two scrapes: times (`*_s`) in ms, counts as they are; and how
+    many pulls the first series counted."""
     means = {}
     for key, (total, count) in after.items():
         n = count - before[key][1]
-        means[key.removesuffix("_s")] = round((total - before[key][0]) / n * 1e3, 3) if n else None
-    return {"stages_ms": means, "pulls": after["read_to_usable_s"][1] - before["read_to_usable_s"][1]}
+        scale = 1e3 if key.endswith("_s") else 1.0
+        means[key.removesuffix("_s")] = round((total - before[key][0]) / n * scale, 3) if n else None
+    first = next(iter(after))
+    return {"stages_ms": means, "pulls": after[first][1] - before[first][1]}
 
 
 def write_proto(logs: Path, path: Path, first: int, names: list[str]) -> None:
@@ -303,11 +310,12 @@ def table(rows: list[dict]) -> str:
 
 
 def stage_table(rows: list[dict]) -> str:
-    """Per cell and kvconnect target: each pull stage's mean (ms), median over runs and [min-max]; "" if none."""
+    """Per cell and target read on its decode: each series' mean per pull (ms; descriptors as counts), median over
+    runs and [min-max]; "" if none."""
     staged = [r for r in rows if r.get("stages_ms")]
     if not staged:
         return ""
-    stages = list(staged[0]["stages_ms"])
+    stages = list(dict.fromkeys(k for r in staged for k in r["stages_ms"]))
     out = [["cell", "target", "runs", "pulls", *stages]]
     for cell in dict.fromkeys(r["run"] for r in staged):
         for target in dict.fromkeys(r["target"] for r in staged if r["run"] == cell):
@@ -315,7 +323,8 @@ def stage_table(rows: list[dict]) -> str:
             cells = [cell, target, str(len(rs)), spread([float(r["pulls"]) for r in rs])]
             cells += [spread([r["stages_ms"][s] for r in rs if r["stages_ms"].get(s) is not None]) for s in stages]
             out.append(cells)
-    return "\n\npull stages on the decode, mean per pull over the cell (ms):\n" + aligned(out)
+    head = "pull stages and series on the decode, mean per pull over the cell (ms; descs: descriptors per pull):"
+    return f"\n\n{head}\n" + aligned(out)
 
 
 def plot(rows: list[dict], out: Path) -> None:

@@ -66,6 +66,16 @@ STAGES = {
     f"{stage}_s": f"vllm:kvconnect_{stage}_seconds"
     for stage in ("arrival_to_pull", "pull_to_pickup", "pickup_to_post", "read", "read_to_usable")
 }
+# what the serve benchmark reads per cell from a pair's decode (`transfer_side`'s server): kvconnect's stages plus its
+# post (plan, PIN sent, NIXL's post) and descriptors; NixlConnector's transfer time and descriptors
+CELL_SERIES = {
+    "kvconnect": {
+        **STAGES,
+        "post_s": "vllm:kvconnect_post_time_seconds",
+        "descs": "vllm:kvconnect_num_descriptors",
+    },
+    "nixl": {"xfer_s": "vllm:nixl_xfer_time_seconds", "descs": "vllm:nixl_num_descriptors"},
+}
 KVCONNECT = {
     "bytes": "vllm:kvconnect_bytes_transferred",
     "descs": "vllm:kvconnect_num_descriptors",
