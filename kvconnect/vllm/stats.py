@@ -20,6 +20,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from kvconnect.core.plan.params import FIELD, KVTransferParams
+
+PARAM_FIELDS = frozenset(KVTransferParams.__struct_fields__)  # (named bare by the pull's plan)
+
 SERIES = ("pull_s", "xfer_s", "post_s", "bytes", "num_descs", "digest_s")  # per successful pull (digest_s: checked)
 # a successful pull's timeline at the decode, in consecutive stages that add up to arrival -> reported:
 # the request reached vLLM -> the worker asked for the pull -> a tick picked it up -> the READ was posted -> it
@@ -40,12 +44,15 @@ _INDEX = re.compile(r"\[[^\]]*\]")
 
 def failure_reason(error: Exception) -> str:
     """The `reason` label of a failed pull: the error's class, and the field it names without list indexes
-    (a client chooses those: `remote_block_ids[100]` would make a label value per index)."""
+    (a client chooses those: `remote_block_ids[100]` would make a label value per index), a field of the params
+    always under `kv_transfer_params.`."""
     field_name = getattr(error, "field", None)
     if not isinstance(field_name, str):
         return type(error).__name__
-    bare = _INDEX.sub("", field_name)[:64]
-    return f"{type(error).__name__}({bare})"
+    bare = _INDEX.sub("", field_name)
+    if bare in PARAM_FIELDS:  # (the pull's plan names a params field bare: one label whichever check refused it)
+        bare = f"{FIELD}.{bare}"
+    return f"{type(error).__name__}({bare[:64]})"
 
 
 def _empty() -> dict[str, Any]:
