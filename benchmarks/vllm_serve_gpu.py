@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvconnect.bench.gpu_pd import CELL_SERIES, moves_by_nixl, pair_servers, transfer_side
+from kvconnect.bench.gpu_pd import cell_series, moves_by_nixl, pair_servers
 from kvconnect.bench.serve_client import ServeClient
 from kvconnect.bench.serve_table import aligned, points, spread
 from kvconnect.bench.vllm_pd import scrape_sums
@@ -162,8 +162,8 @@ def measure(args: argparse.Namespace) -> None:
     ) as c:
         ucx = {s.name: {k: v for k, v in sorted(c.base_env(s).items()) if k.startswith("UCX_")} for s in servers}
         targets = {"plain": c.urls["plain"]}
-        decodes = {  # (push reports on its prefill, with no per-pull series: not read)
-            name: c.urls[f"{name}-{transfer_side(name)[0]}"] for name in names if transfer_side(name)[0] == "decode"
+        decodes = {  # target -> (its decode's URL, the series read there); push reports on its prefill: not read
+            name: (c.urls[f"{name}-decode"], series) for name in names if (series := cell_series(name)) is not None
         }
         for name in names:
             targets[name] = c.add_proxy(f"{name}-proxy", f"{name}-prefill", [f"{name}-decode"])
@@ -186,16 +186,17 @@ def measure_run(
     args: argparse.Namespace,
     client: Client,
     targets: dict[str, str],
-    decodes: dict[str, str],
+    decodes: dict[str, tuple[str, dict[str, str]]],
     model: Path,
     k: int,
     seed: int,
     meta: dict[str, Any],
 ) -> None:
     """Run k: every cell, the targets in an order shuffled per cell with `seed`; writes run<k>/. For kvconnect's
-    pairs and NixlConnector's (`decodes`: target -> its decode server) each row adds the mean per pull over the cell
-    of the decode's series (`stages_ms`: kvconnect's stages, post and descriptors, NixlConnector's transfer time
-    and descriptors, from its histograms before and after the cell; `pulls`: how many it counted)."""
+    pairs and NixlConnector's (`decodes`: target -> its decode server and the series read there) each row adds
+    the mean per pull over the cell of those series (`stages_ms`: kvconnect's stages, post and descriptors,
+    NixlConnector's transfer time and descriptors, from the histograms before and after the cell; `pulls`: how
+    many the first series counted)."""
     run_dir = args.out / f"run{k}"
     (run_dir / "runs").mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -215,14 +216,14 @@ def measure_run(
         for target in order:
             t1 = time.monotonic()
             out = run_dir / "runs" / f"{target}-{label}.json"
-            series = CELL_SERIES["kvconnect" if target.startswith("kvconnect") else "nixl"]
-            before = scrape_sums(decodes[target], series) if target in decodes else None
+            url, series = decodes.get(target, ("", {}))
+            before = scrape_sums(url, series) if url else None
             r = client.bench(client_argv(targets[target], model, args, out, rate, cap), out)
             row: dict[str, Any] = {"run_index": k, "target": target, "run": label, "rate": None if cap else rate}
             row.update(concurrency=cap, arrival_rate=rate, order_seed=seed)
             row.update({m: r.get(m) for m in ("completed", "failed", *METRICS)})
             if before is not None:
-                row.update(stage_means(before, scrape_sums(decodes[target], series)))
+                row.update(stage_means(before, scrape_sums(url, series)))
             rows.append(row)
             print(json.dumps(row), f"({time.monotonic() - t1:.0f} s)", flush=True)
             (run_dir / "rows.json").write_text(json.dumps(rows, indent=1))  # (as it goes: a cut run keeps it)

@@ -115,6 +115,15 @@ def transfer_side(name: str) -> tuple[str, dict[str, str]]:
     return "decode", (KVCONNECT if name.startswith("kvconnect") else NIXL)
 
 
+def cell_series(name: str) -> dict[str, str] | None:
+    """What the serve benchmark reads per cell on pair `name`'s decode (`CELL_SERIES`); None where the transfer is
+    reported on the prefill (push)."""
+    side, metrics = transfer_side(name)
+    if side != "decode":
+        return None
+    return CELL_SERIES["kvconnect" if metrics is KVCONNECT else "nixl"]
+
+
 def deltas(
     before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]], means: tuple[str, ...] = ("itl_s",)
 ) -> dict[str, float]:
