@@ -355,7 +355,9 @@ def test_out_of_range_block_ids(request: pytest.FixtureRequest, pd: Setup, colum
     }
     v, before, after = pd.decode_counted(prompt, forged, rid)
     row(request, column, "1", "out-of-range block ids", v, counted(before, after))
-    assert_kvconnect_refused(column, v, before, after, "InvalidRequestError(kv_transfer_params.remote_block_ids)", "LeaseLostError")
+    assert_kvconnect_refused(
+        column, v, before, after, "InvalidRequestError(kv_transfer_params.remote_block_ids)", "LeaseLostError"
+    )
 
 
 def test_consumed_reference_reused(request: pytest.FixtureRequest, pd: Setup, column: Column) -> None:
@@ -459,7 +461,9 @@ def test_params_pointing_at_another_requests_blocks(request: pytest.FixtureReque
         v,
         f"B's own decode then: {victim.verdict}; " + counted(before, after),
     )
-    assert_kvconnect_refused(column, v, before, after, "InvalidRequestError(kv_transfer_params.remote_block_ids)", "LeaseLostError")
+    assert_kvconnect_refused(
+        column, v, before, after, "InvalidRequestError(kv_transfer_params.remote_block_ids)", "LeaseLostError"
+    )
     if not column.nixl:
         assert victim.verdict == "correct", victim
 
