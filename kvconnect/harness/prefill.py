@@ -169,6 +169,10 @@ class _Server:
             return conn.faults.expire_lease(self.lease_id(args[0])).value
         if cmd == "held":
             return conn.snapshot().lease_blocks_held
+        if cmd == "sizes":  # every container the connector keeps (growth.py), and this process's memory
+            from kvconnect.harness.growth import rss_bytes, sizes
+
+            return sizes(conn, "prefill"), rss_bytes()
         if cmd == "unknown":  # lease requests that named a lease not granted here
             return conn.snapshot().unknown_lease_requests
         if cmd == "freed":
