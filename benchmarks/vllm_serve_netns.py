@@ -4,7 +4,7 @@ measured by vLLM's own benchmark client (`vllm bench serve`) through kvconnect's
 
     python benchmarks/vllm_serve_netns.py OUT_DIR [--runs 3] [--rates 1,2,4] [--concurrency 8]
                                           [--prompts-per-rate 24] [--input-len 1024] [--range-ratio 0.5]
-                                          [--output-len 16] [--targets kvconnect,nixl] [--seed 0]
+                                          [--output-len 16] [--targets kvconnect,nixl] [--seed 0] [--rounds 1]
 
 The full grid (run as root, from the repository root; estimated at 25-30 minutes on 2 quiet cores from the smoke
 run below: 6 pair starts of ~1 minute, 18 client runs of ~30-60 s; on a loaded machine a start alone took ~4.5 min):
@@ -49,6 +49,11 @@ READ posted -> done), warm-ups excluded; the ceiling: one thread's numpy copy of
 in this process right after (best of 6), and each transfer time as a multiple of it. Writes `serve.json`,
 `serve.txt` (the table with min-max over runs), a plot per metric (`<metric>.png`), vLLM's result files under
 `runs/` and the servers' logs under `logs/`.
+
+Rounds (`--rounds K`): every rate measured K times over on the same pair, each round with prompts of its own
+(seed + 100 x round), to see whether a target slows down as its servers age (one GPU run saw kvconnect's TTFT
+rise from run to run on servers kept between runs). `serve.txt` then has the main table for round 0 (servers as
+fresh as without rounds) and a table per target, rate and round; the plots are round 0's.
 
 No `kvconnect-nomerge` target: no setting turns kvconnect's descriptor merge off (kvconnect/core/plan/descriptors
 merges runs of consecutive blocks always), so descriptors per pull follow only from the caches' block ids.
@@ -219,13 +224,14 @@ def run_target(target: str, run: int, hosts: Hosts, model: Path, args: argparse.
         # (two requests of prompts no measured request has, one at a time: the handshake and the first pull's
         # set-up happen here, not in the first measured request)
         bench(c, c.urls["proxy"], model, args, runs_dir / f"run{run}-{target}-warmup.json", 1.0, WARMUP_SEED, 2)
-        for i, rate in enumerate(args.rates):
+        for rnd, (i, rate) in ((k, ir) for k in range(args.rounds) for ir in enumerate(args.rates)):
             t1 = time.monotonic()
             before = decode_counts(c, target)
-            seed = args.seed + 1000 * run + i
-            r = bench(c, c.urls["proxy"], model, args, runs_dir / f"run{run}-{target}-rate{rate:g}.json", rate, seed)
+            seed = args.seed + 1000 * run + 100 * rnd + i
+            name = f"run{run}-{target}-rate{rate:g}" + (f"-round{rnd}" if rnd else "")
+            r = bench(c, c.urls["proxy"], model, args, runs_dir / f"{name}.json", rate, seed)
             time.sleep(1.0)  # (the decode's stats reach /metrics a step after the pull)
-            row: dict[str, Any] = {"run": run, "target": target, "rate": rate}
+            row: dict[str, Any] = {"run": run, "target": target, "rate": rate, "round": rnd}
             row.update({k: r.get(k) for k in ("completed", "failed", *METRICS)})
             row.update(pull_row(before, decode_counts(c, target)))
             rows.append(row)
@@ -261,6 +267,29 @@ def table(rows: list[dict]) -> str:
             cells.append("yes" if all(r.get("over_nixl", target == "nixl") for r in rs) else "NO")
             out.append(cells)
     return aligned(out)
+
+
+def rounds_table(rows: list[dict]) -> str:
+    """Per target, rate and round on the same servers: the median over runs and [min-max] of TTFT, ITL and the
+    pulls' transfer time and descriptors; "" without rounds."""
+    if len({r.get("round", 0) for r in rows}) < 2:
+        return ""
+    cols = ("p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "xfer_ms", "descs_per_pull", "failed")
+    out = [["target", "rate", "round", *cols]]
+    for target in dict.fromkeys(r["target"] for r in rows):
+        for rate in sorted({r["rate"] for r in rows if r["target"] == target}):
+            for rnd in sorted({r.get("round", 0) for r in rows}):
+                rs = [r for r in rows if r["target"] == target and r["rate"] == rate and r.get("round", 0) == rnd]
+                cells = [target, f"{rate:g}", str(rnd)]
+                out.append(cells + [spread([float(r[c]) for r in rs if r.get(c) is not None]) for c in cols])
+    return aligned(out)
+
+
+def tables(rows: list[dict]) -> str:
+    """The main table (round 0) and, with rounds, the table per round."""
+    by_round = rounds_table(rows)
+    main = table([r for r in rows if r.get("round", 0) == 0])
+    return main + (f"\n\nthe same servers, round by round:\n{by_round}" if by_round else "")
 
 
 def plot(rows: list[dict], out: Path) -> None:
@@ -303,14 +332,15 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--targets", default=",".join(TARGETS))
     ap.add_argument("--seed", type=int, default=0, help="the client's prompts and the run orders")
+    ap.add_argument("--rounds", type=int, default=1, help="measure every rate this many times on the same servers")
     ap.add_argument("--kv-cache-gib", type=int, default=2, help="each server's KV cache (VLLM_CPU_KVCACHE_SPACE)")
     ap.add_argument("--replot", action="store_true", help="only redraw the plots and the table from OUT/serve.json")
     args = ap.parse_args()
     if args.replot:
         rows = json.loads((args.out / "serve.json").read_text())["rows"]
-        print(table(rows))
-        (args.out / "serve.txt").write_text(table(rows) + "\n")
-        plot(rows, args.out)
+        print(tables(rows))
+        (args.out / "serve.txt").write_text(tables(rows) + "\n")
+        plot([r for r in rows if r.get("round", 0) == 0], args.out)
         return
     why = netns_unavailable()
     if why:
@@ -342,7 +372,7 @@ def main() -> None:
     finally:
         hosts.remove()
     paths = byte_paths(args.out / "logs")
-    text = table(rows)
+    text = tables(rows)
     print(text)
     print("UCX protocol lines (UCX_PROTO_INFO=y):")
     for server, lines in paths.items():
@@ -351,7 +381,7 @@ def main() -> None:
     result = {"kv_bytes_per_token": per_token, "model": MODEL, "args": vars(args), "rows": rows, "ucx": paths}
     (args.out / "serve.json").write_text(json.dumps(result, indent=1, default=str))
     (args.out / "serve.txt").write_text(text + "\n")
-    plot(rows, args.out)
+    plot([r for r in rows if r.get("round", 0) == 0], args.out)
     print(f"done in {time.monotonic() - t0:.0f} s", flush=True)
 
 
