@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 import time
 
 import numpy as np
@@ -44,6 +45,29 @@ def stage_row(stats: object) -> list[float]:
     return [row[k] for k in STAGES]
 
 
+def spin(stop: threading.Event) -> None:
+    """Hold the interpreter as a busy engine thread does: pure Python, never blocking (until `stop`)."""
+    x = 0
+    while not stop.is_set():
+        for i in range(10_000):
+            x ^= i
+
+
+def engine_pull(decode: KVConnector, params: object, local: list[int], rid: str, step_s: float) -> object:
+    """A pull as the vLLM plug-in makes one: started to be driven, then `drive()` between engine steps (pure
+    Python for `step_s`) until it is usable."""
+    handle = decode.pull(params, local, rid, driven=True)  # type: ignore[arg-type]
+    deadline = time.monotonic() + 60
+    while not handle.done():
+        decode.drive()
+        end = time.perf_counter() + step_s
+        while time.perf_counter() < end and not handle.done():
+            sum(range(200))
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pull {rid} not usable after 60 s")
+    return handle.wait(0)
+
+
 def copy_ceiling_s(nbytes: int, reps: int = 7) -> float:
     src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
@@ -61,14 +85,37 @@ def main() -> int:
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--blocks", type=int, default=32, help="blocks per pull")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--busy",
+        action="store_true",
+        help="a thread of pure Python in the decode process all along (an engine's step holding the interpreter)",
+    )
+    ap.add_argument(
+        "--engine",
+        action="store_true",
+        help="this thread pulls as vLLM's plug-in does: the pull started to be driven, then driven by this thread "
+        "between steps of pure Python (`--step-ms`) until usable",
+    )
+    ap.add_argument("--step-ms", type=float, default=2.0, help="with --engine: the Python work between drives")
+    ap.add_argument(
+        "--switch-ms", type=float, default=0.0, help="the interpreter's switch interval (0: Python's own, 5 ms)"
+    )
     args = ap.parse_args()
     logging.disable(logging.WARNING)
+    if args.switch_ms:
+        sys.setswitchinterval(args.switch_ms / 1e3)
     rng = np.random.default_rng(args.seed)
-    print(f"cache: {SPEC}; {args.pulls} pulls of {args.blocks} random blocks; seed {args.seed}")
+    busy = "; a busy Python thread beside the decode's connector" if args.busy else ""
+    busy += f"; pulls driven by this thread between {args.step_ms:g} ms steps" if args.engine else ""
+    busy += f"; switch interval {sys.getswitchinterval() * 1e3:g} ms"
+    print(f"cache: {SPEC}; {args.pulls} pulls of {args.blocks} random blocks; seed {args.seed}{busy}")
     prefill = PrefillProcess.start(SPEC, kv_digest=False, lease_board=False)
     config = connector_config({}, side_channel_host="127.0.0.1", kv_digest=False, lease_board=False, transport="nixl")
     rows: list[list[float]] = []
     size = 0
+    stop = threading.Event()
+    if args.busy:
+        threading.Thread(target=spin, args=(stop,), daemon=True, name="busy").start()
     try:
         with KVConnector(KVCache.allocate(SPEC), config) as decode:
             for i in range(-20, args.pulls):  # (20 warm-up pulls: the first contact's handshake, UCX's set-up)
@@ -77,13 +124,17 @@ def main() -> int:
                 ids = [int(b) for b in rng.choice(SPEC.num_blocks, args.blocks, replace=False)]
                 local = [int(b) for b in rng.choice(SPEC.num_blocks, args.blocks, replace=False)]
                 params = prefill.lease(f"drift-{i}", ids, args.blocks * SPEC.block_size)
-                stats = decode.pull(params, local, f"drift-{i}").wait(60)
+                if args.engine:
+                    stats = engine_pull(decode, params, local, f"drift-{i}", args.step_ms / 1e3)
+                else:
+                    stats = decode.pull(params, local, f"drift-{i}").wait(60)
                 size = stats.bytes
                 if i >= 0:
                     rows.append(stage_row(stats))
             end = (sizes(decode, "decode"), *prefill.ask("sizes"), rss_bytes())
             held = prefill.ask("held")
     finally:
+        stop.set()
         prefill.stop()
     report(np.array(rows) * 1e3, args, size, start, end, held)
     return 0

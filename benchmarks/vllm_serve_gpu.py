@@ -324,7 +324,10 @@ def stage_table(rows: list[dict]) -> str:
             cells = [cell, target, str(len(rs)), spread([float(r["pulls"]) for r in rs])]
             cells += [spread([r["stages_ms"][s] for r in rs if r["stages_ms"].get(s) is not None]) for s in stages]
             out.append(cells)
-    head = "pull stages and series on the decode, mean per pull over the cell (ms; descs: descriptors per pull):"
+    head = (
+        "pull stages and series on the decode, mean per pull over the cell (ms; descs: descriptors per pull;"
+        " loop_share: the share of pulls the connector's loop thread posted, the rest vLLM's engine thread):"
+    )
     return f"\n\n{head}\n" + aligned(out)
 
 

@@ -54,9 +54,20 @@ def test_a_driving_thread_completes_a_pull_while_the_loop_thread_is_held(prefill
         poll_until(lambda: ticks.append(dec.drive()) or handle.done(), what="the driven pull ended")
         handle.wait(0)  # raises the pull's error, if it failed
         assert all(ticks)  # nothing else was ticking: every drive ran one
+        assert handle.stats.posted_on == "engine"
         for local, remote in zip([0, 5, 6], [3, 7, 8], strict=True):
             assert dec.cache.block_bytes(local) == prefill.ask("block", remote)
     assert prefill.settle("driven", 20) == "completed"
+
+
+def test_a_pull_nobody_drives_is_posted_by_the_loop_thread_and_says_so(prefill: PrefillProcess) -> None:
+    """Which thread posted a pull is in its stats (the vLLM plug-in counts it: `posted_on`): a pull the loop
+    thread posts waits for the GIL at each blocking call while the engine runs Python."""
+    params = prefill.lease("undriven", [2, 4])
+    with decoder() as dec:
+        stats = dec.pull(params, [1, 3]).wait(20)
+    assert stats.posted_on == "loop"
+    assert prefill.settle("undriven", 20) == "completed"
 
 
 def test_a_prefill_whose_loop_thread_is_held_answers_the_handshake_and_pin_from_its_driving_thread() -> None:
@@ -221,6 +232,7 @@ def test_the_vllm_worker_side_drives_its_pulls_from_the_engine_thread(monkeypatc
                 handle = worker._loads["worker-driven"].handle
                 done = poll_until(lambda: worker.transfer_results(set())[1], what="the load was reported")
             assert handle is not None and handle.stats.total_s >= 5.0 and handle.stats.queued_s >= 5.0
+            assert handle.stats.posted_on == "engine" and worker._stats.data["posted_on"] == {"engine": 1}
             assert done == {"worker-driven"} and not worker.get_block_ids_with_load_errors()
             for local, remote in zip([4, 1], [2, 9], strict=True):
                 assert conn.cache.block_bytes(local) == pre.ask("block", remote)

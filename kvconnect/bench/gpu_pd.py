@@ -73,6 +73,8 @@ CELL_SERIES = {
         **STAGES,
         "post_s": "vllm:kvconnect_post_time_seconds",
         "descs": "vllm:kvconnect_num_descriptors",
+        # the share of pulls the connector's loop thread posted (the rest: vLLM's engine thread, driving)
+        "loop_share": "vllm:kvconnect_pulls_posted_on{thread=loop}",
     },
     "nixl": {"xfer_s": "vllm:nixl_xfer_time_seconds", "descs": "vllm:nixl_num_descriptors"},
 }

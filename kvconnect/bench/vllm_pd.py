@@ -67,18 +67,26 @@ SERIES = {  # connector -> {what: metric name on the decode server}
 
 
 def scrape_sums(url: str, names: dict[str, str]) -> dict[str, tuple[float, float]]:
-    """(sum, count) of each histogram over all its label sets."""
+    """(sum, count) of each histogram over all its label sets; for a counter named with one label's value
+    (`family{label=value}`), (that label value's count, the count over all its values): their ratio is its share."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out = {k: (0.0, 0.0) for k in names}
-    wanted = {v: k for k, v in names.items()}
+    wanted: dict[str, list[tuple[str, tuple[str, str] | None]]] = {}
+    for key, name in names.items():
+        base, _, selector = name.partition("{")
+        label_name, _, label_value = selector.rstrip("}").partition("=")
+        wanted.setdefault(base, []).append((key, (label_name, label_value) if selector else None))
     for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        key = wanted.get(family.name)
-        if key is None:
-            continue
-        total = sum(s.value for s in family.samples if s.name.endswith("_sum"))
-        count = sum(s.value for s in family.samples if s.name.endswith("_count"))
-        out[key] = (total, count)
+        for key, label in wanted.get(family.name, []):
+            if label is None:
+                total = sum(s.value for s in family.samples if s.name.endswith("_sum"))
+                count = sum(s.value for s in family.samples if s.name.endswith("_count"))
+            else:
+                counted = [s for s in family.samples if s.name.endswith("_total")]
+                total = sum(s.value for s in counted if s.labels.get(label[0]) == label[1])
+                count = sum(s.value for s in counted)
+            out[key] = (total, count)
     return out
 
 

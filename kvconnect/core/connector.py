@@ -129,6 +129,7 @@ class KVConnector:
                 faults.gate if faults is not None else None,
                 quiet=lambda: self._leases.num_held == 0 and self._decode.quiet(),
             )
+            self._decode.on_loop_thread = self._loop.on_loop_thread
             self._loop.start()
         if not config.confirm_reads:
             log.warning(

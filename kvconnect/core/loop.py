@@ -170,6 +170,10 @@ class Loop:
             self.lock.release()
         return True
 
+    def on_loop_thread(self) -> bool:
+        """Whether the calling thread is the loop's own (not a driving caller's)."""
+        return threading.current_thread() is self._thread
+
     def _on_cache_device(self) -> bool:
         if self._device is None:
             return True

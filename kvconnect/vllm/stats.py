@@ -36,7 +36,7 @@ STAGES = (
     "read_to_usable_s",
     "usable_to_reported_s",
 )
-COUNTS = ("failed", "leases_ended", "usable_by")  # {label: count}
+COUNTS = ("failed", "leases_ended", "usable_by", "posted_on")  # {label: count}
 
 
 _INDEX = re.compile(r"\[[^\]]*\]")
@@ -97,6 +97,7 @@ class KVConnectStats(KVConnectorStats):
         if stats.digest_s > 0:  # its blocks' content was checked against the prefill's (kv_digest)
             self.data["digest_s"].append(stats.digest_s)
         self.count("usable_by", "lease_board" if stats.on_board else "lease_answer")
+        self.count("posted_on", stats.posted_on or "loop")
 
     def record_timeline(self, stages: dict[str, float]) -> None:
         for key, value in stages.items():
@@ -242,6 +243,12 @@ class KVConnectPromMetrics(KVConnectorPromMetrics):
             documentation="kvconnect: successful pulls by what made them usable: the same-host lease board, or "
             "the prefill's lease answer (or the transfer alone, with confirm_reads off)",
         )
+        self.posted_on = counter(
+            name="vllm:kvconnect_pulls_posted_on",
+            labelnames=[*labelnames, "thread"],
+            documentation="kvconnect: successful pulls by the thread that posted their transfer: engine (vLLM's own "
+            "step, driving the connector) or loop (the connector's thread, which must take the GIL from the engine)",
+        )
         self._labels = per_engine_labelvalues
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -255,3 +262,5 @@ class KVConnectPromMetrics(KVConnectorPromMetrics):
             self.leases.labels(*labels, outcome).inc(n)
         for by, n in transfer_stats_data.get("usable_by", {}).items():
             self.usable_by.labels(*labels, by).inc(n)
+        for thread, n in transfer_stats_data.get("posted_on", {}).items():
+            self.posted_on.labels(*labels, thread).inc(n)

@@ -45,6 +45,9 @@ class PullStats(msgspec.Struct):
     # usable once the prefill's lease board showed the lease held, before the PIN's answer
     on_board: bool = False
     num_descs_issued: int = 0  # descriptors NIXL reported issuing (0 unless the `telemetry` setting is on)
+    # the thread that posted it: "engine" (a caller's `drive`, e.g. vLLM's step) or "loop" (the connector's own,
+    # which then takes the GIL from whatever Python the engine runs at each blocking call of the post)
+    posted_on: str = ""
 
     @property
     def gbps(self) -> float:

@@ -239,7 +239,7 @@ class PullGroup:
             setattr(stats, name, sum(getattr(x, name) for x in parts))  # (one after another on the loop)
         for name in ("handshake_s", "transfer_s", "confirm_s", "queued_s", "after_read_s"):
             setattr(stats, name, max(getattr(x, name) for x in parts))
-        for name in ("path", "granularity", "transport"):
+        for name in ("path", "granularity", "transport", "posted_on"):
             setattr(stats, name, "+".join(sorted({getattr(x, name) for x in parts if getattr(x, name)})))
         stats.num_blocks = len(self.parent.local_block_ids)
         self.parent.finish(error)

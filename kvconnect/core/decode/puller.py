@@ -98,6 +98,7 @@ class Puller:
         self._confirm = LeaseConfirmation(config, cache, engine_id, self.endings)
         self.contacts = Contacts(peers, self.endings, counters, engine_id, self._posted)
         self.claims = self.contacts.claims
+        self.on_loop_thread: Callable[[], bool] = lambda: True  # (the connector's loop says, once it exists)
 
     @property
     def abandoned(self) -> AbandonedReads:
@@ -180,6 +181,7 @@ class Puller:
         pull.move = move
         stats = pull.handle.stats
         stats.granularity, stats.transport, stats.path = plan.pair.granularity.name, link.kind, plan.path.value
+        stats.posted_on = "loop" if self.on_loop_thread() else "engine"
         notif = pull.notif(info.incarnation_id) if link.notifies else b""  # (a digest of the ids: not free)
         t_pin = time.monotonic()
         stats.validate_s = t_pin - t0
