@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 
+from kvconnect.bench.ceiling import CopyCeiling
 from kvconnect.core.cache import KVCache
 from kvconnect.core.config import connector_config
 from kvconnect.core.connector import KVConnector
@@ -66,17 +67,6 @@ def engine_pull(decode: KVConnector, params: object, local: list[int], rid: str,
         if time.monotonic() > deadline:
             raise TimeoutError(f"pull {rid} not usable after 60 s")
     return handle.wait(0)
-
-
-def copy_ceiling_s(nbytes: int, reps: int = 7) -> float:
-    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main() -> int:
@@ -141,7 +131,7 @@ def main() -> int:
 
 
 def report(ms: np.ndarray, args: argparse.Namespace, nbytes: int, start: tuple, end: tuple, held: int) -> None:
-    copy = copy_ceiling_s(nbytes) * 1e3
+    copy = nbytes / CopyCeiling(nbytes, "cpu", "cpu").best_gbps(7) / 1e6  # (ms)
     print(f"a pull: {nbytes / 2**20:.2f} MiB; ceiling (one thread's numpy copy of those bytes): {copy:.3f} ms")
     print("median of each stage per window (ms):")
     print(f"{'pulls':>13} " + " ".join(f"{s.removesuffix('_s'):>12}" for s in STAGES) + f" {'total/copy':>11}")

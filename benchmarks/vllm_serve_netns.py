@@ -285,10 +285,15 @@ def rounds_table(rows: list[dict]) -> str:
     return aligned(out)
 
 
+def round0(rows: list[dict]) -> list[dict]:
+    """The rows of each pair's first round (servers as fresh as without `--rounds`)."""
+    return [r for r in rows if r.get("round", 0) == 0]
+
+
 def tables(rows: list[dict]) -> str:
     """The main table (round 0) and, with rounds, the table per round."""
     by_round = rounds_table(rows)
-    main = table([r for r in rows if r.get("round", 0) == 0])
+    main = table(round0(rows))
     return main + (f"\n\nthe same servers, round by round:\n{by_round}" if by_round else "")
 
 
@@ -340,7 +345,7 @@ def main() -> None:
         rows = json.loads((args.out / "serve.json").read_text())["rows"]
         print(tables(rows))
         (args.out / "serve.txt").write_text(tables(rows) + "\n")
-        plot([r for r in rows if r.get("round", 0) == 0], args.out)
+        plot(round0(rows), args.out)
         return
     why = netns_unavailable()
     if why:
@@ -381,7 +386,7 @@ def main() -> None:
     result = {"kv_bytes_per_token": per_token, "model": MODEL, "args": vars(args), "rows": rows, "ucx": paths}
     (args.out / "serve.json").write_text(json.dumps(result, indent=1, default=str))
     (args.out / "serve.txt").write_text(text + "\n")
-    plot([r for r in rows if r.get("round", 0) == 0], args.out)
+    plot(round0(rows), args.out)
     print(f"done in {time.monotonic() - t0:.0f} s", flush=True)
 
 

@@ -6,7 +6,6 @@ had served the runs before (`benchmarks/pull_drift.py` is the measurement; this 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +16,7 @@ from kvconnect.core.plan.layout import LayoutKind
 from kvconnect.core.prefill.due import DueTimes
 from kvconnect.core.prefill.lease import Lease
 from kvconnect.harness.growth import grown, sizes
+from kvconnect.harness.net import poll_until
 from tests.helpers import config_for_tests, spec
 
 PULLS = 240
@@ -68,14 +68,16 @@ def test_after_hundreds_of_pulls_neither_side_keeps_more_than_it_did_after_the_f
     assert grown(before, after, 8) == {}, grown(before, after, 8)
 
 
-def settle(prefill: KVConnector, table: Any, clock: Callable[[], float], deadline_s: float = 30.0) -> None:
+def settle(prefill: KVConnector, table: Any, clock: Callable[[], float]) -> None:
     """Once every lease has ended, move the prefill's lease clock an hour past `clock` (every TTL and tombstone
     over at once) and tick until its table has looked at every due time (deadlines, not sleeps)."""
-    end = time.monotonic() + deadline_s
-    while table.num_held:  # (a lease ends once its READ's confirmation is in, after the pull's own end)
-        assert time.monotonic() < end, f"{table.num_held} leases still held"
+
+    def after_a_tick(done: Callable[[], bool]) -> bool:
         prefill.drive()
+        return done()
+
+    # (a lease ends once its READ's confirmation is in, after the pull's own end)
+    poll_until(lambda: after_a_tick(lambda: not table.num_held), what="every lease ended")
     table._clock = lambda: clock() + 3600.0  # (the minute of tombstones and every TTL over, at once)
-    while table._due._heap:  # (every lease's due times looked at: what is still remembered then is kept for good)
-        assert time.monotonic() < end, f"{len(table._due._heap)} due times left"
-        prefill.drive()
+    # (every lease's due times looked at: what is still remembered then is kept for good)
+    poll_until(lambda: after_a_tick(lambda: not table._due._heap), what="every due time looked at")
